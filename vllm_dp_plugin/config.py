@@ -67,36 +67,11 @@ class AttentionPrivacyConfig:
 
 
 @dataclass(frozen=True)
-class PromptPrivacyConfig:
-    """Prompt privatization: a per-token budget, composed over at most ``max_tokens`` tokens."""
-
-    epsilon_per_token: float
-    delta_per_token: float = 1e-6
-    mechanism: str = "trlaplace"
-    calibration: str = "corrected"
-    max_tokens: int = 512
-    composition: str = "basic"
-
-    def __post_init__(self) -> None:
-        _check(check_epsilon, self.epsilon_per_token, "prompt.epsilon_per_token")
-        _check(check_delta, self.delta_per_token, "prompt.delta_per_token")
-        _choice(
-            self.mechanism,
-            ("trlaplace", "laplace", "gaussian", "exponential", "mahalanobis"),
-            "prompt.mechanism",
-        )
-        _choice(self.calibration, ("corrected", "paper", "repo"), "prompt.calibration")
-        _check(check_count, self.max_tokens, "prompt.max_tokens")
-        _choice(self.composition, ("basic", "advanced", "pld"), "prompt.composition")
-
-
-@dataclass(frozen=True)
 class DPPrivacyConfig:
     """Top-level ``dp_privacy`` section."""
 
     key_file: str | None = None
     attention: AttentionPrivacyConfig | None = None
-    prompt: PromptPrivacyConfig | None = None
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> DPPrivacyConfig:
@@ -104,7 +79,7 @@ class DPPrivacyConfig:
         if not isinstance(raw, dict):
             raise ConfigError(f"{CONFIG_KEY} must be a mapping, got {type(raw).__name__}")
         _no_unknown_keys(raw, cls, CONFIG_KEY)
-        sections = {"attention": AttentionPrivacyConfig, "prompt": PromptPrivacyConfig}
+        sections = {"attention": AttentionPrivacyConfig}
         parsed: dict[str, Any] = {"key_file": raw.get("key_file")}
         for name, section_cls in sections.items():
             if raw.get(name) is not None:
@@ -124,7 +99,7 @@ class DPPrivacyConfig:
 
     @property
     def enabled(self) -> bool:
-        return self.attention is not None or self.prompt is not None
+        return self.attention is not None
 
 
 def _build(section_cls: type, raw: Any, where: str):

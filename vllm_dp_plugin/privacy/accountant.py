@@ -19,7 +19,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from dp_accounting import dp_event
+from dp_accounting import dp_event, mechanism_calibration
+from dp_accounting.gaussian_mechanism import get_sigma_gaussian
 from dp_accounting.pld import accountant as pld_theorems
 from dp_accounting.pld import common as pld_common
 from dp_accounting.pld import pld_privacy_accountant
@@ -115,10 +116,7 @@ class PrivacyLedger:
         if len(kinds) != 1:
             raise ValueError("advanced composition needs identical releases; use 'pld'")
         (eps, delta), k = kinds.pop(), sum(r.count for r in self.releases)
-        total = pld_theorems.advanced_composition(
-            pld_common.DifferentialPrivacyParameters(eps, delta), k, self.target_delta
-        )
-        return Budget(math.inf if total is None else float(total), self.target_delta)
+        return Budget(advanced_epsilon(eps, delta, k, self.target_delta), self.target_delta)
 
     def _dp_accounting_epsilon(self) -> float:
         accountant = _make_accountant(self.composition)
@@ -147,6 +145,27 @@ def _make_accountant(composition: Composition):
     return rdp_privacy_accountant.RdpAccountant()
 
 
+def advanced_epsilon(epsilon: float, delta: float, k: int, total_delta: float) -> float:
+    """Total epsilon of k (epsilon, delta)-DP releases at total delta ``total_delta``.
+
+    The minimum of two valid bounds: dp-accounting's optimal advanced composition (Kairouz, Oh,
+    Viswanath Thm 3.3; it overflows for large k, then it is skipped) and Dwork-Rothblum-Vadhan
+    (the DP cross-attention paper's Thm A.10): eps sqrt(2k ln(1/delta')) + k eps (e^eps - 1)
+    with delta' = total_delta - k delta. ``inf`` when k delta >= total_delta.
+    """
+    slack = total_delta - k * delta
+    if slack <= 0:
+        return math.inf
+    drv = epsilon * math.sqrt(2 * k * math.log(1 / slack)) + k * epsilon * math.expm1(epsilon)
+    try:
+        optimal = pld_theorems.advanced_composition(
+            pld_common.DifferentialPrivacyParameters(epsilon, delta), k, total_delta
+        )
+    except OverflowError:
+        optimal = None
+    return min(drv, k * epsilon, math.inf if optimal is None else float(optimal))
+
+
 def split_budget(
     total: Budget, releases: int, composition: Composition = "basic"
 ) -> Budget:
@@ -165,10 +184,13 @@ def split_budget(
         return Budget(total.epsilon / k, total.delta / k)
     if composition == "advanced":
         per_delta = total.delta / (2 * k)
-        eps = pld_theorems.get_smallest_epsilon_from_advanced_composition(
-            pld_common.DifferentialPrivacyParameters(total.epsilon, total.delta), k, per_delta
-        )
-        return Budget(max(float(eps or 0.0), total.epsilon / k), per_delta)
+        basic_eps = total.epsilon / k
+        fits = lambda eps: advanced_epsilon(eps, per_delta, k, total.delta) <= total.epsilon
+        low, high = basic_eps, total.epsilon
+        for _ in range(100):  # bisection: largest per-release eps that still fits
+            mid = 0.5 * (low + high)
+            low, high = (mid, high) if fits(mid) else (low, mid)
+        return Budget(low, per_delta)
     raise ValueError(
         f"split_budget supports 'basic' and 'advanced'; for {composition!r} calibrate the "
         "mechanism with calibrate_noise_multiplier"
@@ -176,25 +198,37 @@ def split_budget(
 
 
 def calibrate_noise_multiplier(
-    total: Budget, releases: int, kind: Literal["gaussian", "laplace"], composition: Composition = "pld"
+    total: Budget,
+    releases: int,
+    kind: Literal["gaussian", "laplace"],
+    composition: Composition = "pld",
 ) -> float:
     """Smallest noise multiplier (noise std or scale / sensitivity) such that ``releases``
-    releases of a Gaussian or Laplace mechanism compose to at most ``total`` under PLD or RDP."""
-    from dp_accounting import mechanism_calibration
+    releases of a Gaussian or Laplace mechanism compose to at most ``total`` (PLD or RDP).
 
+    Gaussian under PLD is closed-form: k Gaussian releases of multiplier m compose exactly to
+    one of multiplier m / sqrt(k), so m = sqrt(k) * analytic_sigma(eps, delta). Everything else
+    is dp-accounting's ``calibrate_dp_mechanism`` bisection from a safe lower endpoint.
+    """
     check_epsilon(total.epsilon, "total epsilon")
     check_delta(total.delta, "total delta")
     k = check_count(releases, "releases")
     if composition not in ("pld", "rdp"):
         raise ValueError("calibrate_noise_multiplier needs composition 'pld' or 'rdp'")
-    event_cls = dp_event.GaussianDpEvent if kind == "gaussian" else dp_event.LaplaceDpEvent
+    if kind == "gaussian":
+        exact = math.sqrt(k) * float(get_sigma_gaussian(total.epsilon, total.delta))
+        if composition == "pld":
+            return exact
+        lower, event_cls = exact, dp_event.GaussianDpEvent  # RDP is never tighter than exact
+    else:
+        lower, event_cls = 0.5 / total.epsilon, dp_event.LaplaceDpEvent
     return float(
         mechanism_calibration.calibrate_dp_mechanism(
             lambda: _make_accountant(composition),
             lambda m: dp_event.SelfComposedDpEvent(event_cls(m), k),
             total.epsilon,
             total.delta,
-            mechanism_calibration.LowerEndpointAndGuess(1e-3, 1.0),
-            tol=1e-6,
+            mechanism_calibration.LowerEndpointAndGuess(lower, 2.0 * lower),
+            tol=1e-6 * lower,
         )
     )

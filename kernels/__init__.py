@@ -1,0 +1,1 @@
+"""Triton kernels, each beside its torch reference; installed as ``vllm_dp_plugin.kernels``."""

@@ -1,0 +1,75 @@
+"""``vllm-dp``: one CLI for serving, demo models and privacy accounting.
+
+    vllm-dp serve MODEL [vLLM serve flags...]   vLLM's OpenAI server with the plugin loaded
+    vllm-dp make-demo-model DIR                 tiny random Llama + locally trained tokenizer
+    vllm-dp account --config FILE               the privacy budget a configuration spends
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .config import ConfigError, DPPrivacyConfig
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="vllm-dp", description="Differentially private LLM serving on vLLM."
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = commands.add_parser(
+        "serve",
+        help="run vLLM's OpenAI-compatible server with the plugin loaded",
+        description="Forwards every argument to `vllm serve` (see `vllm serve --help`).",
+        add_help=False,
+    )
+    serve.set_defaults(handler=_serve)
+
+    demo = commands.add_parser("make-demo-model", help="build the tiny local demo Llama")
+    demo.add_argument("out_dir", metavar="DIR", help="output directory")
+    demo.set_defaults(handler=_make_demo_model)
+
+    account = commands.add_parser("account", help="print the privacy budget of a configuration")
+    account.add_argument("--config", required=True, help="YAML/JSON file with a dp_privacy section")
+    account.set_defaults(handler=_account)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if args.command != "serve" and rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    try:
+        return args.handler(args, rest) or 0
+    except ConfigError as exc:
+        print(f"vllm-dp: configuration error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _serve(args: argparse.Namespace, rest: list[str]) -> int:
+    from .serving.launch import run_vllm_cli
+
+    return run_vllm_cli(["serve", *rest])
+
+
+def _make_demo_model(args: argparse.Namespace, rest: list[str]) -> int:
+    from .demo import make_demo_llama
+
+    out = make_demo_llama(args.out_dir)
+    print(f"demo model written to {out}")
+    return 0
+
+
+def _account(args: argparse.Namespace, rest: list[str]) -> int:
+    from .reports import budget_report
+
+    print(budget_report(DPPrivacyConfig.from_file(args.config)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

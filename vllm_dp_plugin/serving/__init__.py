@@ -1,0 +1,1 @@
+"""vLLM adapters: the only package that imports vllm (lazily)."""
