@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+import numpy as np
 from dp_accounting import dp_event, mechanism_calibration
 from dp_accounting.gaussian_mechanism import get_sigma_gaussian
 from dp_accounting.pld import accountant as pld_theorems
@@ -158,9 +159,10 @@ def advanced_epsilon(epsilon: float, delta: float, k: int, total_delta: float) -
         return math.inf
     drv = epsilon * math.sqrt(2 * k * math.log(1 / slack)) + k * epsilon * math.expm1(epsilon)
     try:
-        optimal = pld_theorems.advanced_composition(
-            pld_common.DifferentialPrivacyParameters(epsilon, delta), k, total_delta
-        )
+        with np.errstate(over="ignore", invalid="ignore"):
+            optimal = pld_theorems.advanced_composition(
+                pld_common.DifferentialPrivacyParameters(epsilon, delta), k, total_delta
+            )
     except OverflowError:
         optimal = None
     return min(drv, k * epsilon, math.inf if optimal is None else float(optimal))

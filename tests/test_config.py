@@ -1,0 +1,67 @@
+"""The typed dp_privacy config and the `vllm-dp account` command."""
+
+import pytest
+import yaml
+
+from vllm_dp_plugin.cli import main
+from vllm_dp_plugin.config import ConfigError, DPPrivacyConfig
+
+GOOD = {"attention": {"epsilon": 8.0, "delta": 1e-6, "num_layers": 2, "num_kv_heads": 2}}
+
+
+def test_defaults_and_release_count():
+    cfg = DPPrivacyConfig.from_dict(GOOD)
+    att = cfg.attention
+    assert cfg.enabled and att.mode == "state" and att.mechanism == "gaussian"
+    assert att.composition == "pld" and att.releases() == 4
+
+
+def test_empty_config_means_dp_off():
+    assert not DPPrivacyConfig.from_dict({}).enabled
+
+
+@pytest.mark.parametrize(
+    "raw,match",
+    [
+        ({"atention": {}}, r"unknown key\(s\) \['atention'\]"),
+        ({"attention": {"epsilon": 1.0}}, r"missing required key\(s\) \['delta'\]"),
+        ({"attention": {**GOOD["attention"], "epsilon": 0}}, "epsilon must be > 0"),
+        ({"attention": {**GOOD["attention"], "epsilon": float("nan")}}, "epsilon must be finite"),
+        ({"attention": {**GOOD["attention"], "delta": 1.0}}, r"delta must lie in \(0, 1\)"),
+        ({"attention": {**GOOD["attention"], "mechanism": "cauchy"}}, "attention.mechanism"),
+        ({"attention": {**GOOD["attention"], "mode": "magic"}}, "attention.mode"),
+        ({"attention": {**GOOD["attention"], "num_layers": 0}}, "num_layers"),
+        ({"attention": {**GOOD["attention"], "colour": "red"}}, "unknown key"),
+        ({"attention": [1, 2]}, "must be a mapping"),
+    ],
+)
+def test_bad_config_names_the_key(raw, match):
+    with pytest.raises(ConfigError, match=match):
+        DPPrivacyConfig.from_dict(raw)
+
+
+def test_account_needs_the_model_shape():
+    cfg = DPPrivacyConfig.from_dict({"attention": {"epsilon": 1.0, "delta": 1e-6}})
+    with pytest.raises(ConfigError, match="num_layers"):
+        cfg.attention.releases()
+
+
+def test_account_command_prints_budget(tmp_path, capsys):
+    path = tmp_path / "dp.yaml"
+    path.write_text(yaml.safe_dump({"dp_privacy": GOOD}))
+    assert main(["account", "--config", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "2 layers x 2 kv heads x 1 per head = 4" in out
+    assert "spent per private context (pld composition)" in out
+
+
+def test_account_command_bad_config_exits_2(tmp_path, capsys):
+    path = tmp_path / "dp.yaml"
+    path.write_text(yaml.safe_dump({"dp_privacy": {"attention": {"epsilon": -1, "delta": 1e-6}}}))
+    assert main(["account", "--config", str(path)]) == 2
+    assert "epsilon must be > 0" in capsys.readouterr().err
+
+
+def test_example_config_is_valid():
+    cfg = DPPrivacyConfig.from_file("examples/dp.yaml")
+    assert cfg.attention.releases() == 4
