@@ -26,8 +26,10 @@ def attention_report(att: AttentionPrivacyConfig) -> str:
         [
             "DP attention over the private context",
             "  unit of privacy: one private K/V row of one layer (replace-one neighbours)",
-            f"  releases: {att.num_layers} layers x {att.num_kv_heads} kv heads x "
-            f"{att.releases_per_head} per head = {k}",
+            (
+                f"  releases: {att.num_layers} layers x {att.num_kv_heads} kv heads x "
+                f"{att.releases_per_head} per head = {k}"
+            ),
             f"  per release (unit sensitivity): {mechanism.statement()}",
             f"  noise std per unit of sensitivity: {math.sqrt(mechanism.variance):.6g}",
             f"  budget asked: {att.total}",

@@ -41,18 +41,19 @@ def test_vllm_dp_serve_answers_chat_completions(tmp_path):
     model = make_demo_llama(tmp_path / "llama")
     port = free_port()
     cli = str(Path(sys.executable).with_name("vllm-dp"))  # the console script of this venv
-    log = open(tmp_path / "serve.log", "w")
-    server = subprocess.Popen(
-        [cli, "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
-         "--dtype", "float32", "--max-model-len", "1024", "--block-size", "32",
-         "--enforce-eager", "--gpu-memory-utilization", "0.25"],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )
+    log_path = tmp_path / "serve.log"
+    with log_path.open("w") as log:
+        server = subprocess.Popen(
+            [cli, "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
+             "--dtype", "float32", "--max-model-len", "1024", "--block-size", "32",
+             "--enforce-eager", "--gpu-memory-utilization", "0.25"],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
-            assert server.poll() is None, (tmp_path / "serve.log").read_text()[-4000:]
+            assert server.poll() is None, log_path.read_text()[-4000:]
             try:
                 urllib.request.urlopen(base + "/health", timeout=2)
                 break
@@ -70,4 +71,3 @@ def test_vllm_dp_serve_answers_chat_completions(tmp_path):
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=60)
-        log.close()

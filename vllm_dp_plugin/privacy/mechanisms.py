@@ -108,13 +108,21 @@ def truncated_laplace_mechanism(sensitivity: float, epsilon: float, delta: float
     if delta >= 0.5:
         raise ValueError(f"truncated Laplace needs delta < 0.5 (so that B >= Delta), got {delta}")
     bound = truncated_laplace_bound(sensitivity, epsilon, delta)
+    return eps_delta_laplace("truncated_laplace", epsilon, delta, sensitivity, bound)
+
+
+def eps_delta_laplace(
+    name: str, epsilon: float, delta: float, sensitivity_l1: float, bound: float
+) -> Mechanism:
+    """Laplace noise of scale sensitivity_l1/epsilon truncated at ``bound``, whose calibration
+    proved (epsilon, delta)-DP; accounted as a generic (epsilon, delta) release."""
     return Mechanism(
-        name="truncated_laplace",
+        name=name,
         epsilon=epsilon,
         delta=delta,
-        sensitivity=sensitivity,
+        sensitivity=sensitivity_l1,
         sensitivity_norm="l1",
-        noise=LaplaceNoise(sensitivity / epsilon, bound),
+        noise=LaplaceNoise(sensitivity_l1 / epsilon, bound),
         dp_event=EpsilonDeltaDpEvent(epsilon, delta),
     )
 

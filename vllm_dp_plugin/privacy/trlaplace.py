@@ -20,8 +20,7 @@ from typing import Literal
 import torch
 from dp_accounting import dp_event
 
-from .events import EpsilonDeltaDpEvent
-from .mechanisms import Mechanism, warn_not_private
+from .mechanisms import Mechanism, eps_delta_laplace, warn_not_private
 from .noise import LaplaceNoise
 from .validation import check_count, check_delta, check_epsilon, check_positive
 
@@ -92,15 +91,7 @@ def _corrected(
             f"corrected TrLaplace bound A={bound:.4g} < Dinf={dinf:.4g}: the (S10) proof does not "
             "apply; lower delta"
         )
-    return Mechanism(
-        name="trlaplace(corrected)",
-        epsilon=epsilon,
-        delta=delta,
-        sensitivity=d1,
-        sensitivity_norm="l1",
-        noise=LaplaceNoise(d1 / epsilon, bound),
-        dp_event=EpsilonDeltaDpEvent(epsilon, delta),
-    )
+    return eps_delta_laplace("trlaplace(corrected)", epsilon, delta, d1, bound)
 
 
 def _theorem_3(

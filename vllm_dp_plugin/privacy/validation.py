@@ -43,8 +43,9 @@ def check_count(value: int, name: str) -> int:
 
 
 def _as_finite_float(value: float, name: str) -> float:
+    # ValueError (not TypeError) for every bad value: callers catch one exception type.
     if isinstance(value, bool):
-        raise ValueError(f"{name} must be a number, got {value!r}")
+        raise ValueError(f"{name} must be a number, got {value!r}")  # noqa: TRY004
     try:
         out = float(value)
     except (TypeError, ValueError):

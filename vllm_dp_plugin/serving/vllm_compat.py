@@ -8,7 +8,7 @@ on AVX2-only CPUs.
 
 from __future__ import annotations
 
-import importlib.metadata as metadata
+from importlib import metadata
 
 
 def installed_vllm_version() -> str:
