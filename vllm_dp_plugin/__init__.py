@@ -12,15 +12,11 @@ _registered = False
 
 
 def register() -> None:
-    """vLLM general-plugin hook. Idempotent; installs nothing while DP is not configured.
+    """vLLM general-plugin hook; idempotent, imports nothing from vLLM.
 
-    The serving components (DP attention backend, private-context renderer, budget endpoint)
-    are installed here as they land; until then loading the plugin leaves vLLM unchanged.
+    Installs nothing yet: the DP components (attention backend, private-context renderer,
+    budget endpoint) register here as they land, and act only when ``dp_privacy`` is
+    configured. Until then a loaded plugin leaves vLLM's behaviour unchanged.
     """
     global _registered
-    if _registered:
-        return
     _registered = True
-    from .serving.plugin import install
-
-    install()
