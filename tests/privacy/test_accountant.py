@@ -127,3 +127,33 @@ def test_advanced_epsilon_survives_large_k():
 def test_bad_accounting_inputs(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+@pytest.mark.parametrize("kind", MECHANISM_KINDS)
+@pytest.mark.parametrize("composition", ["basic", "advanced", "pld"])
+def test_planned_noise_matches_its_accounting(kind, composition):
+    """Re-account the noise a planned release actually samples, from the noise law alone
+    (not from its DpEvent): the k-fold composition must stay within the total budget."""
+    total, k, sens = Budget(4.0, 1e-6), 24, 3.0
+    mech = plan_releases(total, k, kind, composition, sensitivity=sens).releases[0].mechanism
+    noise = mech.noise
+    if kind == "truncated_laplace":
+        # the bound must reproduce the stated per-release delta (shift by Delta), and the
+        # stated per-release (eps, delta) must compose within the total
+        assert noise.scale == pytest.approx(sens / mech.epsilon, rel=1e-12)
+        assert float(noise.cdf(-noise.bound + sens)) == pytest.approx(mech.delta, rel=1e-6)
+        assert k * mech.delta <= total.delta * (1 + 1e-12)
+        if composition == "basic":
+            assert k * mech.epsilon <= total.epsilon * (1 + 1e-12)
+        else:
+            assert advanced_epsilon(mech.epsilon, mech.delta, k, total.delta) <= total.epsilon
+        return
+    if kind == "gaussian":
+        event = GaussianDpEvent(math.sqrt(noise.variance) / sens)
+    else:
+        assert math.isinf(noise.bound)
+        event = LaplaceDpEvent(noise.scale / sens)
+    eps = PLDAccountant().compose(SelfComposedDpEvent(event, k)).get_epsilon(total.delta)
+    assert eps <= total.epsilon * 1.001
+    if composition == "pld":  # calibrated on the composed curve: no budget left on the table
+        assert eps >= total.epsilon * 0.99

@@ -102,14 +102,13 @@ class PrivacyLedger:
             return Budget(0.0, 0.0)
         if not self.all_valid:
             return Budget(math.inf, 1.0)
-        basic = Budget(
-            sum(r.mechanism.epsilon * r.count for r in self.releases),
-            sum(r.mechanism.delta * r.count for r in self.releases),
-        )
         if self.composition == "basic":
-            return basic
+            return Budget(
+                sum(r.mechanism.epsilon * r.count for r in self.releases),
+                sum(r.mechanism.delta * r.count for r in self.releases),
+            )
         if self.composition == "advanced":
-            return min(basic, self._advanced(), key=lambda b: b.epsilon)
+            return self._advanced()  # advanced_epsilon is never above the basic sum
         return Budget(self._dp_accounting_epsilon(), self.target_delta)
 
     def _advanced(self) -> Budget:
