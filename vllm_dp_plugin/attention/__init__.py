@@ -1,0 +1,1 @@
+"""DP attention over a private context (DP cross-attention spec): no vLLM import here."""

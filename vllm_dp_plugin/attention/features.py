@@ -1,0 +1,209 @@
+"""Feature maps P with P(x)^T P(y) ~ exp(beta <x, y>) (DP cross-attention spec 4.2, 10.2.5).
+
+* ``TaylorFeatures``: exact Taylor monomials, ``P(x)_alpha = sqrt(beta^|alpha| / alpha!) x^alpha``
+  for every multi-index with ``|alpha| <= s``; ``P(x)^T P(y) = T_s(beta <x, y>)`` (the degree-s
+  Taylor polynomial of exp) exactly, with ``r = binom(d + s, s)`` coordinates.
+* ``RandomFeatures``: positive random features ``exp(w^T x~ - |x~|^2/2)/sqrt(m)``,
+  ``x~ = sqrt(beta) x``, ``w ~ N(0, I)`` drawn from a *public* seed; unbiased, no uniform
+  relative-error guarantee (experimental).
+
+Every bound a mechanism calibrates from (coordinate ranges, the feature norm) is a function of
+public input bounds only: ``coord_bound`` (|x_i| <= R) and ``norm_bound`` (||x||_2 <= rho).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import torch
+from scipy import stats
+
+from ..privacy.validation import check_count, check_positive
+
+MAX_FEATURES = 50_000_000
+
+
+@dataclass(frozen=True)
+class InputBounds:
+    """Public bounds on one side (keys or queries): ``|x_i| <= coord`` and ``||x||_2 <= norm``."""
+
+    coord: float
+    norm: float
+
+    @staticmethod
+    def of(coord: float, norm: float | None, dim: int) -> InputBounds:
+        """Bounds from a coordinate clip and an optional l2 clip (the box diagonal otherwise)."""
+        coord = check_positive(coord, "coordinate bound")
+        box_norm = coord * math.sqrt(dim)
+        return InputBounds(coord, box_norm if norm is None else min(check_positive(norm, "norm bound"), box_norm))
+
+
+class FeatureMap(ABC):
+    """A map [..., d] -> [..., r] (float64) and the public bounds its mechanisms need."""
+
+    dim_in: int
+    dim: int
+
+    @abstractmethod
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``P(x)``: [..., d] -> [..., r], float64."""
+
+    @abstractmethod
+    def coordinate_bounds(self, bounds: InputBounds) -> torch.Tensor:
+        """Gamma: [r] float64 with ``|P(x)_f| <= Gamma_f`` for every x within ``bounds``."""
+
+    @abstractmethod
+    def norm_bound(self, bounds: InputBounds) -> float:
+        """``sup ||P(x)||_2`` over x within ``bounds``."""
+
+    @property
+    @abstractmethod
+    def nonnegative(self) -> bool:
+        """True if ``P(x) >= 0`` for every x in the *nonnegative* orthant (Taylor) or always (PRF)."""
+
+
+def taylor_degree(logit_bound: float, kernel_error: float, signed: bool) -> int:
+    """Smallest Taylor degree s meeting Lemma G.5's relative error ``kernel_error`` (eps_s).
+
+    ``logit_bound`` is T with ``|beta <x, y>| <= T``. Nonnegative inputs (paper setting, t in
+    [0, T]): ``Pr[Poisson(T) > s] <= eps_s/(1+eps_s)`` (spec 4.2). Signed inputs (t in [-T, T]):
+    ``T^(s+1) e^T / (s+1)! <= eps_s/(1+eps_s)``, rounded up to an even s (even Taylor
+    polynomials of exp are positive; spec 10.2.4b).
+    """
+    check_positive(kernel_error, "kernel_error")
+    if not math.isfinite(logit_bound) or logit_bound < 0:
+        raise ValueError(f"logit bound T must be finite and >= 0, got {logit_bound!r}")
+    target = kernel_error / (1.0 + kernel_error)
+    for s in range(200):
+        if signed:
+            log_tail = (s + 1) * math.log(max(logit_bound, 1e-300)) + logit_bound - math.lgamma(s + 2)
+            if log_tail <= math.log(target):
+                return s + (s % 2)
+        elif stats.poisson.sf(s, logit_bound) <= target:
+            return s
+    raise ValueError(f"no Taylor degree below 200 reaches kernel error {kernel_error} at T={logit_bound}")
+
+
+def taylor_kernel_error(logit_bound: float, degree: int, signed: bool) -> float:
+    """Achieved relative kernel error eps_s = rho/(1-rho) of degree ``degree`` at T (spec 10.4.1)."""
+    if signed:
+        rho = math.exp((degree + 1) * math.log(max(logit_bound, 1e-300)) + logit_bound - math.lgamma(degree + 2))
+    else:
+        rho = float(stats.poisson.sf(degree, logit_bound))
+    return math.inf if rho >= 1 else rho / (1.0 - rho)
+
+
+def taylor_dim(dim_in: int, degree: int) -> int:
+    """r = binom(d + s, s)."""
+    return math.comb(dim_in + degree, degree)
+
+
+@dataclass
+class TaylorFeatures(FeatureMap):
+    """Deduplicated Taylor monomial features of degree <= ``degree`` at logit scale ``beta``.
+
+    ``index: [r, s]`` lists each monomial's factors (index ``d`` is a constant-1 pad slot) and
+    ``coef: [r]`` holds ``sqrt(beta^|alpha| / alpha!)``; ``order: [r]`` is ``|alpha|``.
+    """
+
+    dim_in: int
+    degree: int
+    beta: float
+    index: torch.Tensor = field(init=False, repr=False)
+    coef: torch.Tensor = field(init=False, repr=False)
+    order: torch.Tensor = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        check_count(self.dim_in, "feature input dim")
+        check_positive(self.beta, "beta")
+        if not isinstance(self.degree, int) or self.degree < 0:
+            raise ValueError(f"Taylor degree must be an integer >= 0, got {self.degree!r}")
+        r = taylor_dim(self.dim_in, self.degree)
+        if r > MAX_FEATURES:
+            raise ValueError(
+                f"Taylor features of degree {self.degree} on d={self.dim_in} have r={r:.3g} "
+                f"coordinates (> {MAX_FEATURES:.0e}); lower the degree or the logit bound"
+            )
+        pad = self.dim_in
+        combos = list(itertools.combinations_with_replacement(range(pad + 1), self.degree))
+        self.index = torch.tensor(combos, dtype=torch.long).reshape(len(combos), self.degree)
+        orders, coefs = [], []
+        for combo in combos:
+            factors = [i for i in combo if i != pad]
+            multiplicities = [factors.count(i) for i in set(factors)]
+            log_alpha_fact = sum(math.lgamma(k + 1) for k in multiplicities)
+            orders.append(len(factors))
+            coefs.append(math.exp(0.5 * (len(factors) * math.log(self.beta) - log_alpha_fact)))
+        self.order = torch.tensor(orders, dtype=torch.long)
+        self.coef = torch.tensor(coefs, dtype=torch.float64)
+        self.dim = r
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(torch.float64)
+        padded = torch.cat([x, torch.ones_like(x[..., :1])], dim=-1)  # [..., d+1]
+        if self.degree == 0:
+            return self.coef.to(x.device).expand(*x.shape[:-1], 1).clone()
+        gathered = padded[..., self.index.to(x.device)]  # [..., r, s]
+        return self.coef.to(x.device) * gathered.prod(dim=-1)
+
+    def coordinate_bounds(self, bounds: InputBounds) -> torch.Tensor:
+        """Gamma_alpha = coef_alpha * R^|alpha| (tight per-coordinate range, spec 4.2)."""
+        return self.coef * torch.pow(torch.tensor(bounds.coord, dtype=torch.float64), self.order)
+
+    def norm_bound(self, bounds: InputBounds) -> float:
+        """sqrt(T_s(beta rho^2)): ||P(x)||^2 = T_s(beta ||x||^2), increasing in ||x||."""
+        t = self.beta * bounds.norm**2
+        return math.sqrt(sum(t**j / math.factorial(j) for j in range(self.degree + 1)))
+
+    @property
+    def nonnegative(self) -> bool:
+        return True
+
+    def paper_global_bound(self, coord: float) -> float:
+        """The paper's single range Gamma_{R,s} = max_{1<=j<=s} R^j / sqrt(j!) (Def. G.3)."""
+        return max([coord**j / math.sqrt(math.factorial(j)) for j in range(1, self.degree + 1)] + [1.0])
+
+
+@dataclass
+class RandomFeatures(FeatureMap):
+    """Positive random features (Performer FAVOR+), ``m`` of them, from a public ``seed``.
+
+    ``omega: [m, d]`` ~ N(0, I); ``P(x)_i = exp(omega_i^T x~ - ||x~||^2/2) / sqrt(m)`` with
+    ``x~ = sqrt(beta) x``. ``E[P(x)^T P(y)] = exp(beta <x, y>)``.
+    """
+
+    dim_in: int
+    num_features: int
+    beta: float
+    seed: int = 0
+    omega: torch.Tensor = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        check_count(self.dim_in, "feature input dim")
+        check_count(self.num_features, "num_random_features")
+        check_positive(self.beta, "beta")
+        generator = torch.Generator().manual_seed(self.seed)
+        self.omega = torch.randn(self.num_features, self.dim_in, generator=generator, dtype=torch.float64)
+        self.dim = self.num_features
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x_scaled = math.sqrt(self.beta) * x.to(torch.float64)
+        logits = x_scaled @ self.omega.to(x.device).T - 0.5 * (x_scaled**2).sum(-1, keepdim=True)
+        return torch.exp(logits) / math.sqrt(self.num_features)
+
+    def coordinate_bounds(self, bounds: InputBounds) -> torch.Tensor:
+        """max over ||x~|| = t <= rho~ of exp(|w| t - t^2/2) / sqrt(m)."""
+        rho = math.sqrt(self.beta) * bounds.norm
+        w = self.omega.norm(dim=-1)
+        t = torch.clamp(w, max=rho)
+        return torch.exp(w * t - 0.5 * t**2) / math.sqrt(self.num_features)
+
+    def norm_bound(self, bounds: InputBounds) -> float:
+        return float(self.coordinate_bounds(bounds).norm())
+
+    @property
+    def nonnegative(self) -> bool:
+        return True
