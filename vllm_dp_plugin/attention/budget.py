@@ -39,7 +39,6 @@ class TreeParams:
     ``ranges``: ``coordinate`` (public per-feature Gamma_alpha) or ``global`` (Gamma_{R,s}).
     ``ones_sensitivity``: ``unit`` (R_w = 1 for the all-ones column, 4.5) or ``paper`` (R_w).
     ``sw_range``: ``unit`` (s_w tree over [0, 1]) or ``paper`` (over [0, R], A11).
-    ``clamp``: post-process den into [n e^{-T}, n e^{T}] and outputs into [-R_w, R_w] (A19/A20).
     """
 
     delta_prime: float = 1e-6
@@ -49,7 +48,6 @@ class TreeParams:
     ranges: Literal["coordinate", "global"] = "coordinate"
     ones_sensitivity: Literal["unit", "paper"] = "unit"
     sw_range: Literal["unit", "paper"] = "unit"
-    clamp: bool = True
 
     def __post_init__(self) -> None:
         check_delta(self.delta_prime, "delta_prime")
@@ -66,7 +64,7 @@ class TreeParams:
     @staticmethod
     def paper(copies: int = 1, delta_prime: float = 1e-6) -> TreeParams:
         """Paper-literal constants: c = 0.09, global Gamma, R_w for every column, s_w over [0, R],
-        no clamps. (The paper's own l is ``theory_copies``; l = 1 keeps memory finite.)"""
+        (The paper's own l is ``theory_copies``; l = 1 keeps memory finite.)"""
         return TreeParams(
             delta_prime=delta_prime,
             copies=copies,
@@ -74,7 +72,6 @@ class TreeParams:
             ranges="global",
             ones_sensitivity="paper",
             sw_range="paper",
-            clamp=False,
         )
 
 

@@ -1,0 +1,1 @@
+"""Runnable benchmark suites (installed as vllm_dp_plugin.benchmarks)."""

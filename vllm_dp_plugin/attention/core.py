@@ -1,0 +1,279 @@
+"""``DPCrossAttention``: build once from a private context's K/V, answer any number of queries.
+
+Privacy contract (spec 2): ``add``/``build`` are the only methods that see exact K/V; they keep
+mapped features only until ``finalize``, which draws the noise once (from the caller's
+generator: keyed noise in serving) and drops everything exact. Every answer afterwards is
+post-processing of the release, so repeated and adaptive queries spend nothing.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from dataclasses import dataclass
+
+import torch
+
+from .accounting import (
+    AttentionAccount,
+    StateSensitivity,
+    head_budget,
+    state_mechanism,
+    tree_mechanism,
+)
+from .budget import TreeBudget, num_leaves, tree_budget
+from .features import FeatureMap, RandomFeatures, TaylorFeatures, taylor_degree, taylor_kernel_error
+from .mapping import HeadMapping, assert_same_heads
+from .merge import AttentionPart, private_part
+from .params import DPAttentionParams
+from .state import KernelStateBuilder
+from .tree_spec import TreeSpec, make_tree_spec
+
+
+@dataclass
+class PrivateAnswer:
+    """``num: [H_q, m, d_v]``, ``den: [H_q, m]``; the true sums are ``exp(log_scale) (num, den)``."""
+
+    num: torch.Tensor
+    den: torch.Tensor
+    log_scale: torch.Tensor
+
+    def output(self) -> torch.Tensor:
+        return self.num / self.den[..., None]
+
+    def part(self) -> AttentionPart:
+        """As a mergeable softmax part (``merge.merge_parts``)."""
+        return private_part(self.num, self.den, self.log_scale)
+
+
+def make_feature_map(params: DPAttentionParams, mapping: HeadMapping, head_dim: int) -> FeatureMap:
+    """The public feature map: PRF, or Taylor of ``params.degree`` / the degree rule (spec 4.2)."""
+    if params.features == "prf":
+        return RandomFeatures(head_dim, params.num_random_features, mapping.beta, params.feature_seed)
+    logit_bound = mapping.logit_bound(head_dim)
+    degree = params.degree
+    if degree is None:
+        degree = taylor_degree(logit_bound, params.kernel_error, mapping.signed)
+    r = math.comb(head_dim + degree, degree)
+    if r > params.max_features:
+        raise ValueError(
+            f"Taylor degree {degree} on head_dim {head_dim} needs r={r:.3g} features "
+            f"(> max_features={params.max_features}) at logit bound T={logit_bound:.3g}; tighten "
+            "the public key/query bounds, set a lower `degree` (kernel error is reported), or "
+            "use features='prf'"
+        )
+    return TaylorFeatures(head_dim, degree, mapping.beta)
+
+
+class DPCrossAttention:
+    """DP attention of all heads of one layer over one private context.
+
+    Shapes: ``K: [H_kv, n, d]``, ``V: [H_kv, n, d_v]``, ``Q: [H_q, m, d]`` with ``H_q = G H_kv``;
+    query head ``h`` reads KV head ``h // G`` (GQA folding, spec 10.2.6).
+    """
+
+    def __init__(
+        self,
+        params: DPAttentionParams,
+        mapping: HeadMapping,
+        num_kv_heads: int,
+        head_dim: int,
+        value_dim: int,
+        num_query_heads: int | None = None,
+    ):
+        self.params, self.mapping = params, mapping
+        self.kv_heads, self.head_dim, self.value_dim = num_kv_heads, head_dim, value_dim
+        self.query_heads = num_query_heads or num_kv_heads
+        if self.query_heads % num_kv_heads:
+            raise ValueError(f"{self.query_heads} query heads do not fold onto {num_kv_heads} KV heads")
+        if mapping.key_center is not None and tuple(mapping.key_center.shape) != (num_kv_heads, head_dim):
+            raise ValueError(f"key_center must be [{num_kv_heads}, {head_dim}]")
+        self.features = make_feature_map(params, mapping, head_dim)
+        self.logit_bound = mapping.logit_bound(head_dim)
+        self._chunks: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._state = KernelStateBuilder(num_kv_heads, self.features.dim, value_dim) if params.mode == "state" else None
+        self.rows = 0
+        self._release = None
+        self._account: AttentionAccount | None = None
+
+    # ------------------------------------------------------------------ build
+    def add(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Feed one chunk of the private context (``k: [H_kv, n_c, d]``, ``v: [H_kv, n_c, d_v]``)."""
+        if self._release is not None:
+            raise RuntimeError("the release is final: build a new DPCrossAttention for a new context")
+        assert_same_heads("K", k, self.kv_heads, self.head_dim)
+        assert_same_heads("V", v, self.kv_heads, self.value_dim)
+        if k.shape[1] != v.shape[1]:
+            raise ValueError(f"K and V disagree on context length: {k.shape[1]} vs {v.shape[1]}")
+        if self.rows + k.shape[1] > self.params.max_context:
+            raise ValueError(
+                f"private context of {self.rows + k.shape[1]} tokens exceeds max_context={self.params.max_context}"
+            )
+        pk = self.features(self.mapping.keys(k))  # [H, n_c, F]
+        values = self.mapping.values(v)
+        weights = torch.cat([values, torch.ones_like(values[..., :1])], dim=-1)  # [H, n_c, W]
+        if self._state is not None:
+            self._state.add(pk, weights)
+        else:
+            self._chunks.append((pk, weights))
+        self.rows += k.shape[1]
+
+    def finalize(self, generator: torch.Generator | None = None) -> DPCrossAttention:
+        """Draw the noise once and drop every exact quantity. ``generator`` defaults to a fresh
+        secret seed; serving passes the keyed generator of the context."""
+        if self.rows == 0:
+            raise ValueError("the private context is empty: call add(K, V) first")
+        generator = generator or torch.Generator().manual_seed(secrets.randbits(63))
+        if self._state is not None:
+            mechanism = state_mechanism(self.params, self.kv_heads, self.state_sensitivity())
+            self._release = self._state.release(mechanism, generator)
+            self._state = None
+        else:
+            pk = torch.cat([c[0] for c in self._chunks], dim=1)
+            weights = torch.cat([c[1] for c in self._chunks], dim=1)
+            self._chunks.clear()
+            mechanism, self._release = self._build_tree(pk, weights, generator)
+            del pk, weights
+        self._account = AttentionAccount(mechanism, self.kv_heads, self.params.composition)
+        return self
+
+    def build(self, k: torch.Tensor, v: torch.Tensor, generator: torch.Generator | None = None) -> DPCrossAttention:
+        """``add(k, v)`` then ``finalize(generator)``."""
+        self.add(k, v)
+        return self.finalize(generator)
+
+    def state_sensitivity(self) -> StateSensitivity:
+        """Replace-one sensitivities of the state from the public bounds (spec 9 D5)."""
+        keys = self.mapping.key_bounds(self.head_dim)
+        gamma = self.features.coordinate_bounds(keys)
+        r_w, dv = self.mapping.value_bound, self.value_dim
+        return StateSensitivity(
+            l2=2.0 * self.features.norm_bound(keys) * math.sqrt(dv * r_w**2 + 1.0),
+            l1=2.0 * float(gamma.sum()) * (dv * r_w + 1.0),
+            linf=2.0 * float(gamma.max()) * max(r_w, 1.0),
+            dim=self.features.dim * (dv + 1),
+        )
+
+    def tree_spec(self, n: int) -> TreeSpec:
+        """The public DPTree configuration for a context of ``n`` rows."""
+        budget = self._tree_budget(n)
+        return make_tree_spec(
+            self.features,
+            self.mapping.key_bounds(self.head_dim),
+            self.mapping.value_bound,
+            self.mapping.signed,
+            self.params.tree,
+            budget,
+            self.value_dim,
+            n,
+        )
+
+    def _tree_budget(self, n: int) -> TreeBudget:
+        head = head_budget(self.params, self.kv_heads)
+        return tree_budget(head, self.params.tree, self.features.dim, self.value_dim, n)
+
+    def tree_table_bytes(self, n: int) -> int:
+        """Bytes of the tree mode's path-sum table (fp32) for a context of ``n`` rows."""
+        w = self.value_dim + 1
+        return 4 * self.kv_heads * self.features.dim * num_leaves(n) * self.params.tree.copies * 3 * w
+
+    def _build_tree(self, pk: torch.Tensor, weights: torch.Tensor, generator: torch.Generator):
+        n = pk.shape[1]
+        need = self.tree_table_bytes(n)
+        if need > self.params.memory_limit_bytes:
+            raise ValueError(
+                f"tree mode needs ~{need / 2**30:.1f} GiB for n={n}, r={self.features.dim} "
+                f"(> memory_limit_bytes={self.params.memory_limit_bytes / 2**30:.1f} GiB); use "
+                "mode='state', a lower degree, or raise the limit"
+            )
+        budget = self._tree_budget(n)
+        spec = self.tree_spec(n)
+        mechanism = tree_mechanism(budget, float(spec.sensitivity[0, 0, 0]))
+        if self.params.mode == "tree":
+            from .tree import TreeRelease
+
+            return mechanism, TreeRelease.build(pk, weights, spec, generator)
+        from .reference import DPCrossAttentionReference
+
+        heads = [
+            DPCrossAttentionReference(
+                pk[h],
+                weights[h, :, :-1],
+                epsilon=budget.head.epsilon,
+                delta=budget.head.delta,
+                delta_prime=self.params.tree.delta_prime,
+                c=budget.c,
+                copies=self.params.tree.copies,
+                output_level=self.params.tree.output_level,
+                lo=spec.lo,
+                hi=spec.hi,
+                value_bound=self.mapping.value_bound,
+                ones_bound=1.0 if self.params.tree.ones_sensitivity == "unit" else self.mapping.value_bound,
+                sw_hi=spec.sw_hi,
+                leaves=spec.leaves,
+                generator=generator,
+            )
+            for h in range(self.kv_heads)
+        ]
+        return mechanism, _PerHead(heads)
+
+    # ------------------------------------------------------------------ query
+    def query_parts(self, q: torch.Tensor) -> PrivateAnswer:
+        """DP numerators/denominators for ``q: [H_q, m, d]`` (post-processing of the release)."""
+        if self._release is None:
+            raise RuntimeError("call build(K, V) or add(...) + finalize() before querying")
+        assert_same_heads("Q", q, self.query_heads, self.head_dim)
+        groups, m = self.query_heads // self.kv_heads, q.shape[1]
+        mapped = self.mapping.queries(q)  # [H_q, m, d]
+        kv_head = torch.arange(self.query_heads) // groups
+        pq = self.features(mapped).reshape(self.kv_heads, groups * m, -1)  # [H_kv, G m, F]
+        ans = self._release.answer(pq).reshape(self.query_heads, m, self.value_dim + 1)
+        num, den = ans[..., :-1], ans[..., -1]
+        if self.params.clamp:
+            den, num = self._clamped(den, num)
+        return PrivateAnswer(num, den, self.mapping.log_scale(mapped, kv_head))
+
+    def query(self, q: torch.Tensor) -> torch.Tensor:
+        """DP attention output ``[H_q, m, d_v]`` (float64)."""
+        return self.query_parts(q).output()
+
+    def _clamped(self, den: torch.Tensor, num: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Spec A19/A20: den into [n e^{t_min}, n e^{T}] (t_min = 0 in the nonnegative paper
+        setting, else -T); then num so that num/den lies in [-R_w, R_w]."""
+        t_min = -self.logit_bound if self.mapping.signed else 0.0
+        den = den.clamp(self.rows * math.exp(t_min), self.rows * math.exp(self.logit_bound))
+        limit = self.mapping.value_bound * den[..., None]
+        return den, torch.maximum(torch.minimum(num, limit), -limit)
+
+    # ------------------------------------------------------------------ accounting
+    @property
+    def kernel_error(self) -> float:
+        """Guaranteed relative kernel error eps_s of the Taylor map at the public logit bound
+        (Lemma G.5); ``nan`` for random features (no uniform guarantee)."""
+        if not isinstance(self.features, TaylorFeatures):
+            return math.nan
+        return taylor_kernel_error(self.logit_bound, self.features.degree, self.mapping.signed)
+
+    @property
+    def account(self) -> AttentionAccount:
+        if self._account is None:
+            raise RuntimeError("nothing is released yet: the account exists after finalize()")
+        return self._account
+
+    @property
+    def release_nbytes(self) -> int:
+        return self._release.nbytes if self._release is not None else 0
+
+
+class _PerHead:
+    """Reference mode: one literal Alg. 1 object per KV head, answered head by head."""
+
+    def __init__(self, heads: list):
+        self.heads = heads
+
+    def answer(self, pq: torch.Tensor) -> torch.Tensor:
+        return torch.stack([head.answer(pq[h]) for h, head in enumerate(self.heads)])
+
+    @property
+    def nbytes(self) -> int:
+        return 0

@@ -1,0 +1,80 @@
+"""One parameter object for every DP attention mode (spec 10.4)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from ..privacy.accountant import COMPOSITIONS, Budget
+from ..privacy.validation import check_count, check_delta, check_epsilon, check_positive
+from .budget import TreeParams
+
+MODES: tuple[str, ...] = ("reference", "tree", "state")
+FEATURES: tuple[str, ...] = ("taylor", "prf")
+STATE_MECHANISMS: tuple[str, ...] = ("gaussian", "truncated_laplace")
+
+Mode = Literal["reference", "tree", "state"]
+
+
+@dataclass(frozen=True)
+class DPAttentionParams:
+    """What one layer's DP attention over a private context releases and spends.
+
+    ``epsilon``/``delta`` cover one KV head (``scope="head"``) or all KV heads of the layer
+    together (``scope="layer"``, split by ``composition``). The privacy unit is one (k_j, v_j)
+    row of the layer's private context, replace-one neighbours (spec 2).
+
+    ``mode``: ``state`` releases the noisy kernelised state ``P(K)^T [V | 1]`` (spec 9 D5);
+    ``tree`` the vectorised DPTree (spec 10.3 Mode B); ``reference`` Alg. 1-7 literally (oracle).
+    ``features``: ``taylor`` (degree ``degree`` or the smallest meeting ``kernel_error``) or
+    ``prf`` (``num_random_features`` from public ``feature_seed``).
+    ``state_mechanism``: Gaussian (l2 sensitivity) or truncated Laplace (corrected TrLaplace
+    calibration of the l1/linf sensitivities, trlaplace spec S10).
+    ``clamp``: post-process each denominator into ``[n e^{-T}, n e^{T}]`` and outputs into
+    ``[-R_w, R_w]`` (spec A19/A20); off is paper-literal (Alg. 1 divides blindly).
+    ``max_context``: longest private context accepted; ``memory_limit_bytes`` caps the tree table.
+    """
+
+    epsilon: float
+    delta: float
+    mode: Mode = "state"
+    scope: Literal["head", "layer"] = "head"
+    composition: Literal["basic", "advanced", "pld", "rdp"] = "pld"
+    features: Literal["taylor", "prf"] = "taylor"
+    degree: int | None = None
+    kernel_error: float = 0.1
+    max_features: int = 20_000
+    num_random_features: int = 256
+    feature_seed: int = 0
+    state_mechanism: Literal["gaussian", "truncated_laplace"] = "gaussian"
+    clamp: bool = True
+    tree: TreeParams = field(default_factory=TreeParams)
+    max_context: int = 1 << 17
+    memory_limit_bytes: int = 16 << 30
+
+    def __post_init__(self) -> None:
+        check_epsilon(self.epsilon)
+        check_delta(self.delta)
+        _choice("mode", self.mode, MODES)
+        _choice("scope", self.scope, ("head", "layer"))
+        _choice("composition", self.composition, COMPOSITIONS)
+        _choice("features", self.features, FEATURES)
+        _choice("state_mechanism", self.state_mechanism, STATE_MECHANISMS)
+        if self.degree is not None and (not isinstance(self.degree, int) or self.degree < 0):
+            raise ValueError(f"degree must be an integer >= 0 or None, got {self.degree!r}")
+        check_positive(self.kernel_error, "kernel_error")
+        check_count(self.max_features, "max_features")
+        check_count(self.num_random_features, "num_random_features")
+        check_count(self.max_context, "max_context")
+        check_count(self.memory_limit_bytes, "memory_limit_bytes")
+        if self.composition == "rdp" and self.state_mechanism == "truncated_laplace":
+            raise ValueError("rdp accounting supports the Gaussian state only; use pld or advanced")
+
+    @property
+    def total(self) -> Budget:
+        return Budget(self.epsilon, self.delta)
+
+
+def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"unknown {name} {value!r}; use one of {choices}")

@@ -1,0 +1,54 @@
+"""The kernelised-state mechanism (spec 9 D5, "Mode C"): release ``P(K)^T [V | 1] + noise`` once.
+
+``KernelStateBuilder`` accumulates the exact state chunk by chunk (chunked prefill) and is the
+only holder of exact private data; ``release`` adds the noise once and returns a
+``NoisyKernelState`` that answers any number of queries with one contraction: post-processing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..privacy.mechanisms import Mechanism
+
+
+@dataclass
+class NoisyKernelState:
+    """The DP release: ``state: [H, F, W]`` float64 (W = d_v + 1, last column = denominator)
+    and the public context length ``rows``."""
+
+    state: torch.Tensor
+    rows: int
+
+    def answer(self, pq: torch.Tensor) -> torch.Tensor:
+        """pq: [H, m, F] query features -> [H, m, W] = (numerators | denominator), float64."""
+        return torch.bmm(pq.to(self.state), self.state)
+
+    @property
+    def nbytes(self) -> int:
+        return self.state.numel() * self.state.element_size()
+
+
+class KernelStateBuilder:
+    """Exact ``sum_j P(k_j) [v_j | 1]^T`` per head, float64, accumulated over chunks."""
+
+    def __init__(self, heads: int, features: int, value_dim: int, device: torch.device | str = "cpu"):
+        self._state = torch.zeros(heads, features, value_dim + 1, dtype=torch.float64, device=device)
+        self.rows = 0
+
+    def add(self, pk: torch.Tensor, weights: torch.Tensor) -> None:
+        """pk: [H, n, F] key features; weights: [H, n, W] = [V | 1]."""
+        self._state += torch.bmm(pk.transpose(1, 2).to(torch.float64), weights.to(torch.float64))
+        self.rows += pk.shape[1]
+
+    def release(self, mechanism: Mechanism, generator: torch.Generator) -> NoisyKernelState:
+        """Add i.i.d. ``mechanism`` noise to every state entry (drawn once, float64) and drop the
+        exact state: after this call the builder holds nothing private."""
+        if self.rows == 0:
+            raise ValueError("the private context is empty: add K/V before releasing")
+        noise = mechanism.sample(tuple(self._state.shape), generator).to(self._state.device)
+        noisy = NoisyKernelState(self._state + noise, self.rows)
+        self._state = None
+        return noisy
