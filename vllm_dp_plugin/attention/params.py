@@ -70,6 +70,15 @@ class DPAttentionParams:
         if self.composition == "rdp" and self.state_mechanism == "truncated_laplace":
             raise ValueError("rdp accounting supports the Gaussian state only; use pld or advanced")
 
+    @staticmethod
+    def paper(epsilon: float, delta: float, mode: Mode = "tree", copies: int = 1) -> DPAttentionParams:
+        """Paper-literal DPTree (label: "paper"): c = 0.09, global Gamma_{R,s}, R_w for every
+        column, s_w over [0, R], no clamps; pair with ``HeadMapping.paper(d)``. The paper's own
+        copy count is ``budget.theory_copies`` (~1e5: infeasible beyond toy sizes)."""
+        return DPAttentionParams(
+            epsilon, delta, mode=mode, clamp=False, tree=TreeParams.paper(copies=copies)
+        )
+
     @property
     def total(self) -> Budget:
         return Budget(self.epsilon, self.delta)

@@ -23,6 +23,7 @@ Classes: ``DPTree`` (Alg. 2), ``DPTreeDistance`` (Alg. 4/5), ``DPTreeHighDim`` (
 
 from __future__ import annotations
 
+import functools
 import math
 import secrets
 from collections.abc import Sequence
@@ -44,6 +45,12 @@ def bin_index(y: float, lo: float, hi: float, size: int) -> int:
     a layer's node is always the ancestor of the leaf the data use."""
     j = math.floor((y - lo) * size / (hi - lo)) + 1
     return max(1, min(j, size))
+
+
+@functools.lru_cache(maxsize=4096)
+def _node_mechanism(sensitivity: float, epsilon: float, delta: float) -> Mechanism:
+    """TLap(Delta, eps, delta) of one node (a frozen, pure value: cached across trees)."""
+    return truncated_laplace_mechanism(sensitivity, epsilon, delta)
 
 
 def _generator(generator: torch.Generator | None) -> torch.Generator:
@@ -77,10 +84,12 @@ class DPTree:
     """Algorithm 2: a binary segment tree over N bins, every node (except the root) noisy.
 
     INIT(a [N] bin sums, Delta, eps, delta): node k holds ``sum of a over k's leaves + z_k``,
-    ``z_k ~ TLap(Delta, eps/L, delta/L)`` i.i.d. Guarantee (Thm B.1, spec 5.1): (eps, delta)-DP
-    for neighbours whose bin sums differ by at most Delta in l1 (one datum moving between bins:
-    Delta/2 + Delta/2), since a leaf lies on L released nodes. Units: node values are in the units
-    of ``a``; ``nodes`` is a [2N] float64 view, positions 0 and 1 (unused slot, root) are NaN.
+    ``z_k ~ TLap(Delta, eps/L, delta/L)`` i.i.d. Guarantee (Thm B.1, Lemma B.6, spec 5.1):
+    (eps, delta)-DP for neighbouring bin vectors that differ in one leaf by at most Delta, or (a
+    replaced datum changing bins) in two leaves by at most Delta/2 each: every leaf lies on L
+    released nodes. Units: node values are in the units of ``a``. Attributes: ``leaves`` N,
+    ``levels`` L, ``lo``/``hi`` the public range (A7), ``mechanism`` the per-node TLap law;
+    ``nodes`` is a [2N] float64 copy, positions 0 and 1 (unused slot, root) are NaN.
 
     QUERY(y) reads exactly L nodes (one sibling per layer) and returns ``(c_left, c_right)``,
     noisy sums of the bins strictly left / strictly right of y's bin; y's own bin is in neither.
@@ -91,7 +100,7 @@ class DPTree:
 
     def __init__(
         self,
-        leaves: torch.Tensor,
+        leaves: torch.Tensor | Sequence[float],
         sensitivity: float,
         epsilon: float,
         delta: float,
@@ -100,14 +109,17 @@ class DPTree:
         node_noise: torch.Tensor | None = None,
         generator: torch.Generator | None = None,
     ) -> None:
-        values = torch.as_tensor(leaves, dtype=torch.float64).reshape(-1).tolist()
+        if isinstance(leaves, torch.Tensor):
+            values = leaves.to(torch.float64).reshape(-1).tolist()
+        else:
+            values = [float(v) for v in leaves]
         self.leaves = len(values)
         self.levels = _levels(self.leaves)
         self.lo, self.hi = _check_range(lo, hi, "DPTree")
         check_epsilon(epsilon)
         check_delta(delta)
-        self.mechanism: Mechanism = truncated_laplace_mechanism(
-            sensitivity, epsilon / self.levels, delta / self.levels
+        self.mechanism: Mechanism = _node_mechanism(
+            float(sensitivity), epsilon / self.levels, delta / self.levels
         )
         self._nodes = self._noisy_nodes(self._exact_nodes(values), node_noise, generator)
         self.reads = 0
@@ -213,7 +225,7 @@ class DPTreeDistance:
         ]
         assert all(tree.levels == levels for tree in self.trees)
 
-    def _moments(self, x: torch.Tensor, w: torch.Tensor, leaves: int) -> list[torch.Tensor]:
+    def _moments(self, x: torch.Tensor, w: torch.Tensor, leaves: int) -> list[list[float]]:
         """a[j, q] += w_i x_i^q for j = bin(x_i) (Alg. 4 lines 8-13); returns a[:, q] per q."""
         xs = torch.as_tensor(x, dtype=torch.float64).reshape(-1).tolist()
         ws = torch.as_tensor(w, dtype=torch.float64).reshape(-1).tolist()
@@ -229,7 +241,7 @@ class DPTreeDistance:
             j = bin_index(xi, self.lo, self.hi, leaves)
             for q in range(self.p + 1):
                 a[q][j - 1] += wi * xi**q  # EXACT x^q (line 12), not the bin centre
-        return [torch.tensor(row, dtype=torch.float64) for row in a]
+        return a
 
     def _tree_noise(
         self, noise: torch.Tensor | Sequence[torch.Tensor | None] | None, nodes: int
@@ -239,7 +251,9 @@ class DPTreeDistance:
         if isinstance(noise, torch.Tensor):
             noise = _check_noise(noise, (self.p + 1, nodes), "DPTreeDistance")
         elif len(noise) != self.p + 1:
-            raise ValueError(f"DPTreeDistance noise needs p+1 = {self.p + 1} entries, got {len(noise)}")
+            raise ValueError(
+                f"DPTreeDistance noise needs p+1 = {self.p + 1} entries, got {len(noise)}"
+            )
         return [None if z is None else _check_noise(z, (nodes,), "DPTree") for z in noise]
 
     def query(self, y: float) -> float:
@@ -248,8 +262,10 @@ class DPTreeDistance:
         total = 0.0
         for q, tree in enumerate(self.trees):
             c_left, c_right = tree.query(y)
-            total += math.comb(self.p, q) * y ** (self.p - q) * (
-                (-1) ** (self.p - q) * c_right + (-1) ** q * c_left
+            total += (
+                math.comb(self.p, q)
+                * y ** (self.p - q)
+                * ((-1) ** (self.p - q) * c_right + (-1) ** q * c_left)
             )
         return total
 
@@ -516,7 +532,9 @@ class DPCrossAttentionReference:
         weights = torch.cat([values, torch.ones(n, 1, dtype=torch.float64)], dim=1)  # [n, W]
         bounds = [float(value_bound)] * value_dim + [float(ones_bound)]
         if noise is not None and (len(noise[0]) != value_dim + 1 or len(noise[1]) != value_dim + 1):
-            raise ValueError(f"injected noise must have W = {value_dim + 1} columns on its leading axis")
+            raise ValueError(
+                f"injected noise must have W = {value_dim + 1} columns on its leading axis"
+            )
         gen = _generator(generator)
         self.columns = [
             DPTreeSoftmaxAdaptive(
