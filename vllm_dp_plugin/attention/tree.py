@@ -16,7 +16,7 @@ over ``u_j = PK[h, j, f]`` in ``[lo_f, hi_f]`` with N leaves:
   moment 2 only) queried at 0; ``answer(v) = 1/2 (P_wx + s_w ||v||^2 - sum_f DistanceQuery_f(v_f))``
   per copy, median over the C copies.
 
-Build (per head, chunked over F): ``leaf_histogram`` (kernel) -> exact level sums -> node noise
+Build (chunked over rectangles of (heads, features)): ``leaf_histogram`` (kernel) -> exact level sums -> node noise
 (sampled level by level with ``generator``, or sliced from injected tensors) -> the PATH-SUM TABLE
 ``PS[h, f, leaf, c, q, w] = sum of the noisy siblings along leaf's root path``, computed top-down
 one op per level (``acc_k[u] = acc_{k-1}[u >> 1] + noisy_k[u ^ 1]``); the tree itself, the keys,
@@ -28,10 +28,12 @@ Memory / dtype decisions:
   oracle at 1e-9) + ``P_wx``, ``s_w`` ``[H, C, W]`` float64 (computed from the float64 table
   before the cast). Everything is built and contracted in float64; only storage is rounded, and
   fp32 rounding (~6e-8 relative per entry) is negligible next to the DP noise it stores.
-* Build peak on top of the table: about ``6 * chunk_bytes`` (one F-chunk's float64 path sums are
-  capped at ``chunk_bytes``; noise sampling and the top level of the tree add ~5 more of that)
-  plus the leaf kernel's payload (``tree_build.PAYLOAD_BYTES`` on the torch path). Injected noise
-  is the caller's tensor (canonical layout, ``8 H W C F 3 2N`` bytes: small sizes only).
+* Build peak on top of the table: about ``8 * chunk_bytes`` (one chunk's float64 path sums are
+  capped at ``chunk_bytes``; its exact leaves and levels, the top level's noise sampling
+  temporaries and the noisy top level add the rest). Measured for H = 1, n = 4096 (N = 4096),
+  F = W = 65, C = 1: table 198 MiB (fp32), build temporaries ~500 MiB at the default 64 MiB
+  chunks, ~125 MiB at 16 MiB chunks. Injected noise is the caller's tensor (canonical layout,
+  ``8 H W C F 3 2N`` bytes: small sizes only).
 * Sampled noise is drawn level by level per F-chunk: same law as ``sample_tree_noise`` but not the
   same stream for a given generator state.
 """
@@ -42,7 +44,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..kernels.tree_build import bin_index, leaf_histogram
+from ..kernels.tree_build import bin_index, leaf_histogram, plan_chunks
 from ..kernels.tree_query import gather_contract
 from ..privacy.noise import LaplaceNoise
 from .tree_spec import TreeSpec
@@ -143,47 +145,43 @@ class TreeRelease:
         table = torch.empty(H, F, N, C * MOMENTS * W, dtype=dtype, device=device)
         p_wx = torch.zeros(H, C, W, dtype=torch.float64, device=device)
         s_w = torch.empty(H, C, W, dtype=torch.float64, device=device)
-        chunk = max(1, chunk_bytes // (8 * N * C * MOMENTS * W))
-        ones = torch.ones(n, 1, dtype=torch.float64, device=device)
-        for h in range(H):
-            wt = weights[h].to(torch.float64)
-            # s_w tree: data all 1 over [0, sw_hi], weights Wt[h, :, w], moment 2 only, query 0.
-            sw_leaves = leaf_histogram(ones, wt, sw_lo, sw_hi, N)[:, :, 2:3, :]  # [1, N, 1, W]
-            if noise is not None:
-                sw_noise = noise[1][h].to(device=device, dtype=torch.float64)[:, :, None, None, :]
-                sw_source = _slicer(sw_noise)
-            else:
-                shape = (W, C, 1, 1)
-                sw_source = _sampler(sw_law, shape, sw_scale[:, None, None, None, None], generator, device)
-            s_w[h] = _path_sums(sw_leaves, sw_source, L, C)[0, sw_origin, :, 0, :]
-            del sw_leaves
-            for f0 in range(0, F, chunk):
-                f1 = min(F, f0 + chunk)
-                leaves = leaf_histogram(pk[h, :, f0:f1].to(torch.float64), wt, lo[f0:f1], hi[f0:f1], N)
+        slab = 8 * N * C * MOMENTS * W  # float64 path sums of one (head, feature)
+        for h0, h1, f0, f1 in plan_chunks(H, F, slab, chunk_bytes):
+            Hc, Fc = h1 - h0, f1 - f0
+            wt = weights[h0:h1].to(torch.float64)
+            if f0 == 0:  # s_w tree: data all 1 over [0, sw_hi], moment 2 only, queried at 0
+                ones = torch.ones(Hc, n, 1, dtype=torch.float64, device=device)
+                sw_leaves = leaf_histogram(ones, wt, sw_lo, sw_hi, N)[:, 0, :, 2:3, :]  # [Hc, N, 1, W]
                 if noise is not None:
-                    source = _slicer(noise[0][h, :, :, f0:f1].to(device=device, dtype=torch.float64))
+                    sw_view = noise[1][h0:h1].permute(1, 2, 0, 3)[:, :, :, None, None, :]
+                    source = _slicer(sw_view, device)  # [W, C, Hc, 1, 1, 2N]
                 else:
-                    shape = (W, C, f1 - f0, MOMENTS)
-                    source = _sampler(feature_law, shape, scale[:, None, f0:f1, :, None], generator, device)
-                ps = _path_sums(leaves, source, L, C)  # [Fc, N, C, 3, W] float64
-                del leaves
-                rows = torch.arange(f1 - f0, device=device)
-                p_wx[h] += ps[rows, origin_bins[f0:f1], :, 2, :].sum(0)
-                table[h, f0:f1] = ps.reshape(f1 - f0, N, C * MOMENTS * W)
-                del ps
+                    scale_sw = sw_scale[:, None, None, None, None]
+                    source = _sampler(sw_law, (W, C, Hc, 1), scale_sw, generator, device)
+                s_w[h0:h1] = _path_sums(sw_leaves, source, L, C)[:, sw_origin, :, 0, :]
+                del ones, sw_leaves
+            leaves = leaf_histogram(pk[h0:h1, :, f0:f1], wt, lo[f0:f1], hi[f0:f1], N)
+            leaves = leaves.reshape(Hc * Fc, N, MOMENTS, W)
+            if noise is not None:
+                source = _slicer(noise[0][h0:h1, :, :, f0:f1].permute(1, 2, 0, 3, 4, 5), device)
+            else:
+                scale_chunk = scale[:, f0:f1].repeat(1, Hc, 1)[:, None, :, :, None]  # (h, f) order
+                source = _sampler(feature_law, (W, C, Hc * Fc, MOMENTS), scale_chunk, generator, device)
+            ps = _path_sums(leaves, source, L, C).view(Hc, Fc, N, C, MOMENTS, W)
+            del leaves
+            at_origin = ps[..., 2, :][:, torch.arange(Fc, device=device), origin_bins[f0:f1]]
+            p_wx[h0:h1] += at_origin.sum(1)  # sum_f DistanceQuery_f(0) = moment-2 path sums
+            table[h0:h1, f0:f1] = ps.view(Hc, Fc, N, C * MOMENTS * W)
+            del ps, at_origin
         return cls(table, p_wx, s_w, lo, hi, N, C)
 
     def answer_copies(self, pq: torch.Tensor) -> torch.Tensor:
         """Per-copy answers ``[H, m, C, W]`` float64 for query features ``pq [H, m, F]``."""
         pq = self._check_queries(pq)
-        out = torch.empty(self.heads, pq.shape[1], self.copies, self.columns, dtype=torch.float64, device=pq.device)
-        for h in range(self.heads):
-            v = pq[h]
-            bins = bin_index(v, self.lo, self.hi, self.leaves)
-            value = gather_contract(self.table[h], bins, v, self.copies)  # [m, C, W]
-            norm2 = (v * v).sum(-1)
-            out[h] = 0.5 * (self.p_wx[h] + self.s_w[h] * norm2[:, None, None] - value)
-        return out
+        bins = bin_index(pq, self.lo, self.hi, self.leaves)
+        value = gather_contract(self.table, bins, pq, self.copies)  # [H, m, C, W]
+        norm2 = (pq * pq).sum(-1)[..., None, None]
+        return 0.5 * (self.p_wx[:, None] + self.s_w[:, None] * norm2 - value)
 
     def answer(self, pq: torch.Tensor) -> torch.Tensor:
         """``[H, m, W]`` float64: median over the copies of ``answer_copies(pq)``."""
@@ -205,9 +203,16 @@ class TreeRelease:
         return pq.to(device=self.table.device, dtype=torch.float64)
 
 
-def _slicer(noise: torch.Tensor) -> NoiseSource:
-    """Injected heap-indexed noise ``[W, C, Fc, Q, 2N]``: the nodes of one level."""
-    return lambda start, end: noise[..., start:end]
+def _slicer(noise: torch.Tensor, device) -> NoiseSource:
+    """Injected heap-indexed noise viewed as ``[W, C, *batch, Q, 2N]``: one level's nodes as
+    ``[W, C, prod(batch), Q, level size]`` float64."""
+    W, C, Q = noise.shape[0], noise.shape[1], noise.shape[-2]
+
+    def level(start: int, end: int) -> torch.Tensor:
+        z = noise[..., start:end].to(device=device, dtype=torch.float64)
+        return z.reshape(W, C, -1, Q, end - start)
+
+    return level
 
 
 def _sampler(
@@ -215,12 +220,12 @@ def _sampler(
 ) -> NoiseSource:
     """Fresh i.i.d. ``scale * TLap(1, ratio)`` noise ``[*shape, level size]`` per level."""
 
-    def draw(start: int, end: int) -> torch.Tensor:
+    def level(start: int, end: int) -> torch.Tensor:
         z = law.sample((*shape, end - start), generator)
         z *= scale
         return z.to(device)
 
-    return draw
+    return level
 
 
 def _path_sums(leaves: torch.Tensor, noise: NoiseSource, levels: int, copies: int) -> torch.Tensor:
@@ -285,13 +290,17 @@ def _check_data(pk: torch.Tensor, weights: torch.Tensor, spec: TreeSpec) -> tupl
     if n == 0:
         raise ValueError("empty context (n = 0)")
     for name, x in (("pk", pk), ("weights", weights)):
-        if not x.is_floating_point() or not bool(torch.isfinite(x).all()):
-            raise ValueError(f"{name} must be finite floating-point values (NaN/inf found)")
+        if not x.is_floating_point():
+            raise ValueError(f"{name} must be floating point, got {x.dtype}")
+    # per-feature / per-column extremes (reductions propagate NaN; no full-size temporaries)
+    low, high = (r.to(torch.float64) for r in (pk.amin(dim=(0, 1)), pk.amax(dim=(0, 1))))
+    w_low, w_high = (r.to(torch.float64) for r in (weights.amin(dim=(0, 1)), weights.amax(dim=(0, 1))))
+    for name, extremes in (("pk", (low, high)), ("weights", (w_low, w_high))):
+        if not all(bool(torch.isfinite(r).all()) for r in extremes):
+            raise ValueError(f"{name} must be finite (NaN/inf found)")
     lo = spec.lo.to(device=pk.device, dtype=torch.float64)
     hi = spec.hi.to(device=pk.device, dtype=torch.float64)
     slack = RANGE_TOLERANCE * (hi - lo)
-    low = pk.to(torch.float64).amin(dim=(0, 1))
-    high = pk.to(torch.float64).amax(dim=(0, 1))
     bad = (low < lo - slack) | (high > hi + slack)
     if bool(bad.any()):
         f = int(bad.nonzero()[0])
@@ -299,13 +308,15 @@ def _check_data(pk: torch.Tensor, weights: torch.Tensor, spec: TreeSpec) -> tupl
             f"pk feature {f} has values in [{float(low[f])}, {float(high[f])}] outside its public "
             f"range [{float(lo[f])}, {float(hi[f])}]: the noise would not cover its sensitivity"
         )
-    weight_bound = spec.sensitivity[:, :, 0].to(torch.float64).amin(dim=1) / 2  # R_w' per column
-    excess = weights.abs().to(torch.float64).amax(dim=(0, 1)).cpu() > weight_bound.cpu() * (1 + 1e-12)
+    weight_bound = spec.sensitivity[:, :, 0].to(torch.float64).amin(dim=1).cpu() / 2  # R_w'
+    largest = torch.maximum(w_low.abs(), w_high.abs()).cpu()
+    excess = largest > weight_bound * (1 + 1e-12)
     if bool(excess.any()):
         w = int(excess.nonzero()[0])
         raise ValueError(
-            f"weights column {w} exceeds its public bound |w| <= {float(weight_bound[w])} "
-            f"(spec.sensitivity[w, :, 0] / 2): the noise would not cover its sensitivity"
+            f"weights column {w} reaches |w| = {float(largest[w])} above its public bound "
+            f"{float(weight_bound[w])} (spec.sensitivity[w, :, 0] / 2): the noise would not "
+            f"cover its sensitivity"
         )
     return H, n, F, W
 
