@@ -21,7 +21,7 @@ from .accounting import (
     state_mechanism,
     tree_mechanism,
 )
-from .budget import TreeBudget, num_leaves, tree_budget
+from .budget import TreeBudget, tree_budget
 from .features import FeatureMap, RandomFeatures, TaylorFeatures, taylor_degree, taylor_kernel_error
 from .mapping import HeadMapping, assert_same_heads
 from .merge import AttentionPart, private_part
@@ -129,6 +129,7 @@ class DPCrossAttention:
             self._release = self._state.release(mechanism, generator)
             self._state = None
         else:
+            self._check_tree_memory(self.rows)
             pk = torch.cat([c[0] for c in self._chunks], dim=1)
             weights = torch.cat([c[1] for c in self._chunks], dim=1)
             self._chunks.clear()
@@ -173,19 +174,22 @@ class DPCrossAttention:
         return tree_budget(head, self.params.tree, self.features.dim, self.value_dim, n)
 
     def tree_table_bytes(self, n: int) -> int:
-        """Bytes of the tree mode's path-sum table (fp32) for a context of ``n`` rows."""
-        w = self.value_dim + 1
-        return 4 * self.kv_heads * self.features.dim * num_leaves(n) * self.params.tree.copies * 3 * w
+        """Bytes the tree mode's release (fp32 path-sum table) needs for ``n`` rows."""
+        from .tree import TreeRelease
 
-    def _build_tree(self, pk: torch.Tensor, weights: torch.Tensor, generator: torch.Generator):
-        n = pk.shape[1]
+        return TreeRelease.planned_nbytes(self.tree_spec(n), self.kv_heads)
+
+    def _check_tree_memory(self, n: int) -> None:
         need = self.tree_table_bytes(n)
         if need > self.params.memory_limit_bytes:
             raise ValueError(
-                f"tree mode needs ~{need / 2**30:.1f} GiB for n={n}, r={self.features.dim} "
-                f"(> memory_limit_bytes={self.params.memory_limit_bytes / 2**30:.1f} GiB); use "
+                f"tree mode needs ~{need / 2**30:.2f} GiB for n={n}, r={self.features.dim} "
+                f"(> memory_limit_bytes={self.params.memory_limit_bytes / 2**30:.2f} GiB); use "
                 "mode='state', a lower degree, or raise the limit"
             )
+
+    def _build_tree(self, pk: torch.Tensor, weights: torch.Tensor, generator: torch.Generator):
+        n = pk.shape[1]
         budget = self._tree_budget(n)
         spec = self.tree_spec(n)
         mechanism = tree_mechanism(budget, float(spec.sensitivity[0, 0, 0]))

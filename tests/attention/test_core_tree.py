@@ -1,0 +1,53 @@
+"""DPCrossAttention in tree and reference modes: wiring, accounting, memory cap."""
+
+import pytest
+import torch
+
+from vllm_dp_plugin.attention.core import DPCrossAttention
+from vllm_dp_plugin.attention.mapping import HeadMapping
+from vllm_dp_plugin.attention.params import DPAttentionParams
+
+D, DV = 3, 2
+
+
+def _context(heads=2, n=21, m=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.rand(heads, n, D, generator=g, dtype=torch.float64)
+    v = torch.rand(heads, n, DV, generator=g, dtype=torch.float64) * 2 - 1
+    q = torch.rand(2 * heads, m, D, generator=g, dtype=torch.float64)
+    return k, v, q
+
+
+@pytest.mark.parametrize("mode", ["tree", "reference"])
+@pytest.mark.parametrize("paper", [False, True])
+def test_tree_modes_answer_gqa_queries_and_account_within_budget(mode, paper):
+    k, v, q = _context()
+    params = DPAttentionParams.paper(1.0, 1e-6, mode=mode) if paper else DPAttentionParams(1.0, 1e-6, mode=mode, degree=1)
+    att = DPCrossAttention(params, HeadMapping.paper(D), 2, D, DV, num_query_heads=4)
+    att.build(k, v, torch.Generator().manual_seed(0))
+    out = att.query(q)
+    assert out.shape == (4, 4, DV) and torch.isfinite(out).all()
+    assert torch.equal(out, att.query(q))
+    spent = att.account.per_head
+    assert spent.name.startswith("dptree") and spent.epsilon <= 1.0 and spent.delta <= 2e-6
+    assert att._chunks == [] and att._state is None
+
+
+def test_tree_and_reference_modes_release_the_same_mechanism():
+    k, v, _ = _context()
+    tree = DPCrossAttention(DPAttentionParams(1.0, 1e-6, mode="tree", degree=1), HeadMapping.paper(D), 2, D, DV)
+    ref = DPCrossAttention(DPAttentionParams(1.0, 1e-6, mode="reference", degree=1), HeadMapping.paper(D), 2, D, DV)
+    tree.build(k, v)
+    ref.build(k, v)
+    assert tree.account.per_head == ref.account.per_head
+
+
+def test_tree_memory_cap_refuses_before_drawing_noise():
+    k, v, _ = _context()
+    params = DPAttentionParams(1.0, 1e-6, mode="tree", degree=1, memory_limit_bytes=1024)
+    att = DPCrossAttention(params, HeadMapping.paper(D), 2, D, DV)
+    with pytest.raises(ValueError, match="GiB"):
+        att.build(k, v)
+    with pytest.raises(RuntimeError, match="after finalize"):
+        _ = att.account
+    assert att.rows == 21 and len(att._chunks) == 1  # nothing half-applied: the context is kept
