@@ -13,7 +13,7 @@ PORT ?= 8000
 # On CPU this fraction of RAM is reserved for the KV cache; keep it small on a 2-core box.
 SERVE_FLAGS ?= --dtype float32 --max-model-len 4096 --block-size 32 --enforce-eager --gpu-memory-utilization 0.25
 
-.PHONY: install test serve bench demo-model clean
+.PHONY: install test serve bench demo-model clean gpu-wheels
 
 install: $(STAMP)
 
@@ -42,6 +42,17 @@ serve: $(STAMP) $(if $(filter $(DEMO_MODEL),$(MODEL)),$(DEMO_MODEL)/config.json)
 bench: $(STAMP)
 	@ls benchmarks/*.py >/dev/null 2>&1 || { echo "no benchmark suites yet"; exit 0; }
 	@for suite in benchmarks/*.py; do echo "== $$suite"; $(PY) $$suite || exit 1; done
+
+# Wheels for benchmarks/gpu/attention.sh on a CUDA box with only torch/triton (Python 3.12, no
+# network): dp-accounting and its small dependencies pinned to its ranges (numpy and scipy are
+# already there), tqdm, pyyaml, and setuptools/wheel/packaging for the editable install. Carry
+# .gpu-wheels/ along with the checkout.
+GPU_WHEELS ?= .gpu-wheels
+GPU_WHEEL_PKGS ?= dp-accounting dm-tree "absl-py<3" "attrs>=22,<24" wrapt "mpmath~=1.2" tqdm pyyaml "setuptools>=68" wheel "packaging>=24"
+gpu-wheels:
+	$(PYTHON) -m pip download --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
+		--no-deps -d $(GPU_WHEELS) $(GPU_WHEEL_PKGS)
 
 clean:
 	rm -rf $(VENV) .demo .pytest_cache

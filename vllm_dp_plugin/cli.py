@@ -3,6 +3,7 @@
     vllm-dp serve MODEL [vLLM serve flags...]   vLLM's OpenAI server with the plugin loaded
     vllm-dp make-demo-model DIR                 tiny random Llama + locally trained tokenizer
     vllm-dp account --config FILE               the privacy budget a configuration spends
+    vllm-dp bench attention [options]           DP attention vs exact attention benchmark
 """
 
 from __future__ import annotations
@@ -34,6 +35,16 @@ def build_parser() -> argparse.ArgumentParser:
     account = commands.add_parser("account", help="print the privacy budget of a configuration")
     account.add_argument("--config", required=True, help="YAML/JSON file with a dp_privacy section")
     account.set_defaults(handler=_account)
+
+    bench = commands.add_parser("bench", help="run a benchmark suite (see `vllm-dp bench SUITE --help`)")
+    suites = bench.add_subparsers(dest="suite", required=True, metavar="SUITE")
+    attention = suites.add_parser(
+        "attention",
+        help="DP cross-attention (state, tree) vs exact attention: accuracy, real heads, speed",
+        description="Options are parsed by the suite (see `vllm-dp bench attention --help`).",
+        add_help=False,
+    )
+    attention.set_defaults(handler=_bench_attention)
     return parser
 
 
@@ -41,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
-    if args.command != "serve" and rest:
+    if args.command not in ("serve", "bench") and rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
         return args.handler(args, rest) or 0
@@ -69,6 +80,12 @@ def _account(args: argparse.Namespace, rest: list[str]) -> int:
 
     print(budget_report(DPPrivacyConfig.from_file(args.config)))
     return 0
+
+
+def _bench_attention(args: argparse.Namespace, rest: list[str]) -> int:
+    from .benchmarks.attention import main as bench_main
+
+    return bench_main(rest)
 
 
 if __name__ == "__main__":

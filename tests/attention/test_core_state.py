@@ -23,7 +23,7 @@ def _context(heads=2, n=40, m=5, seed=0):
 
 
 def _attention(heads=2, **kw):
-    params = DPAttentionParams(kw.pop("epsilon", 1.0), 1e-6, **kw)
+    params = DPAttentionParams(kw.pop("epsilon", 1.0), 1e-6, query_dtype="float64", **kw)
     return DPCrossAttention(params, HeadMapping.paper(D), heads, D, DV)
 
 
@@ -119,7 +119,7 @@ def test_release_holds_no_exact_private_data():
 
 def test_gqa_folds_query_heads_onto_their_kv_head():
     k, v, q = _context(heads=2, m=3)
-    params = DPAttentionParams(1.0, 1e-6)
+    params = DPAttentionParams(1.0, 1e-6, query_dtype="float64")
     att = DPCrossAttention(params, HeadMapping.paper(D), 2, D, DV, num_query_heads=4)
     att.build(k, v, torch.Generator().manual_seed(1))
     q4 = torch.cat([q[:1], q[:1], q[1:], q[1:]])  # query heads 0,1 -> kv 0; 2,3 -> kv 1
@@ -205,3 +205,14 @@ def test_bad_queries_and_parameters():
         HeadMapping(0.1, float("nan"), 1.0, 1.0)
     with pytest.raises(ValueError, match="max_features"):
         DPCrossAttention(DPAttentionParams(1.0, 1e-6, degree=6), HeadMapping.paper(64), 1, 64, 64)
+
+
+def test_float32_queries_match_float64_queries_to_float32_precision():
+    k, v, q = _context()
+    fast = DPCrossAttention(DPAttentionParams(1.0, 1e-6), HeadMapping.paper(D), 2, D, DV)
+    exact = DPCrossAttention(DPAttentionParams(1.0, 1e-6, query_dtype="float64"), HeadMapping.paper(D), 2, D, DV)
+    fast.build(k, v, torch.Generator().manual_seed(2))
+    exact.build(k, v, torch.Generator().manual_seed(2))
+    assert fast.query(q).dtype == torch.float64
+    assert torch.allclose(fast.query(q), exact.query(q), rtol=1e-4, atol=1e-5)
+    assert torch.equal(fast._release.state, exact._release.state)  # the release is float64 either way

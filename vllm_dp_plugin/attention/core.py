@@ -91,7 +91,7 @@ class DPCrossAttention:
         self.features = make_feature_map(params, mapping, head_dim)
         self.logit_bound = mapping.logit_bound(head_dim)
         self._chunks: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._state = KernelStateBuilder(num_kv_heads, self.features.dim, value_dim) if params.mode == "state" else None
+        self._state: KernelStateBuilder | None = None  # state mode: created on K/V's device
         self.rows = 0
         self._release = None
         self._account: AttentionAccount | None = None
@@ -112,7 +112,9 @@ class DPCrossAttention:
         pk = self.features(self.mapping.keys(k))  # [H, n_c, F]
         values = self.mapping.values(v)
         weights = torch.cat([values, torch.ones_like(values[..., :1])], dim=-1)  # [H, n_c, W]
-        if self._state is not None:
+        if self.params.mode == "state":
+            if self._state is None:
+                self._state = KernelStateBuilder(self.kv_heads, self.features.dim, self.value_dim, pk.device)
             self._state.add(pk, weights)
         else:
             self._chunks.append((pk, weights))
@@ -124,7 +126,7 @@ class DPCrossAttention:
         if self.rows == 0:
             raise ValueError("the private context is empty: call add(K, V) first")
         generator = generator or torch.Generator().manual_seed(secrets.randbits(63))
-        if self._state is not None:
+        if self.params.mode == "state":
             mechanism = state_mechanism(self.params, self.kv_heads, self.state_sensitivity())
             self._release = self._state.release(mechanism, generator)
             self._state = None
@@ -230,8 +232,9 @@ class DPCrossAttention:
         groups, m = self.query_heads // self.kv_heads, q.shape[1]
         mapped = self.mapping.queries(q)  # [H_q, m, d]
         kv_head = torch.arange(self.query_heads) // groups
-        pq = self.features(mapped).reshape(self.kv_heads, groups * m, -1)  # [H_kv, G m, F]
-        ans = self._release.answer(pq).reshape(self.query_heads, m, self.value_dim + 1)
+        dtype = getattr(torch, self.params.query_dtype) if self.params.mode == "state" else torch.float64
+        pq = self.features(mapped, dtype).reshape(self.kv_heads, groups * m, -1)  # [H_kv, G m, F]
+        ans = self._release.answer(pq).to(torch.float64).reshape(self.query_heads, m, self.value_dim + 1)
         num, den = ans[..., :-1], ans[..., -1]
         if self.params.clamp:
             den, num = self._clamped(den, num)

@@ -13,7 +13,6 @@ public input bounds only: ``coord_bound`` (|x_i| <= R) and ``norm_bound`` (||x||
 
 from __future__ import annotations
 
-import itertools
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -48,8 +47,8 @@ class FeatureMap(ABC):
     dim: int
 
     @abstractmethod
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """``P(x)``: [..., d] -> [..., r], float64."""
+    def __call__(self, x: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+        """``P(x)``: [..., d] -> [..., r] in ``dtype`` (float64 unless a caller opts out)."""
 
     @abstractmethod
     def coordinate_bounds(self, bounds: InputBounds) -> torch.Tensor:
@@ -105,14 +104,17 @@ def taylor_dim(dim_in: int, degree: int) -> int:
 class TaylorFeatures(FeatureMap):
     """Deduplicated Taylor monomial features of degree <= ``degree`` at logit scale ``beta``.
 
-    ``index: [r, s]`` lists each monomial's factors (index ``d`` is a constant-1 pad slot) and
-    ``coef: [r]`` holds ``sqrt(beta^|alpha| / alpha!)``; ``order: [r]`` is ``|alpha|``.
+    Monomials are ordered by degree; each monomial of degree j >= 1 is its ``parent`` (a monomial
+    of degree j - 1, by global feature index) times ``x[factor]`` with ``factor`` >= the parent's
+    last factor, so each multiset appears once. ``coef: [r]`` holds ``sqrt(beta^|alpha| /
+    alpha!)`` and ``order: [r]`` is ``|alpha|``; ``blocks[j]`` is the slice of degree-j features.
     """
 
     dim_in: int
     degree: int
     beta: float
-    index: torch.Tensor = field(init=False, repr=False)
+    parent: torch.Tensor = field(init=False, repr=False)
+    factor: torch.Tensor = field(init=False, repr=False)
     coef: torch.Tensor = field(init=False, repr=False)
     order: torch.Tensor = field(init=False, repr=False)
 
@@ -127,27 +129,38 @@ class TaylorFeatures(FeatureMap):
                 f"Taylor features of degree {self.degree} on d={self.dim_in} have r={r:.3g} "
                 f"coordinates (> {MAX_FEATURES:.0e}); lower the degree or the logit bound"
             )
-        pad = self.dim_in
-        combos = list(itertools.combinations_with_replacement(range(pad + 1), self.degree))
-        self.index = torch.tensor(combos, dtype=torch.long).reshape(len(combos), self.degree)
-        orders, coefs = [], []
-        for combo in combos:
-            factors = [i for i in combo if i != pad]
-            multiplicities = [factors.count(i) for i in set(factors)]
-            log_alpha_fact = sum(math.lgamma(k + 1) for k in multiplicities)
-            orders.append(len(factors))
-            coefs.append(math.exp(0.5 * (len(factors) * math.log(self.beta) - log_alpha_fact)))
-        self.order = torch.tensor(orders, dtype=torch.long)
-        self.coef = torch.tensor(coefs, dtype=torch.float64)
+        monomials: list[tuple[int, ...]] = [()]
+        parents, factors, self.blocks = [-1], [-1], [slice(0, 1)]
+        for _ in range(self.degree):
+            start = self.blocks[-1].start
+            for p in range(start, len(monomials)):
+                last = monomials[p][-1] if monomials[p] else 0
+                for i in range(last, self.dim_in):
+                    monomials.append((*monomials[p], i))
+                    parents.append(p)
+                    factors.append(i)
+            self.blocks.append(slice(self.blocks[-1].stop, len(monomials)))
+        self.parent = torch.tensor(parents, dtype=torch.long)
+        self.factor = torch.tensor(factors, dtype=torch.long)
+        self.order = torch.tensor([len(m) for m in monomials], dtype=torch.long)
+        log_fact = [sum(math.lgamma(m.count(i) + 1) for i in set(m)) for m in monomials]
+        self.coef = torch.tensor(
+            [math.exp(0.5 * (len(m) * math.log(self.beta) - lf)) for m, lf in zip(monomials, log_fact, strict=True)],
+            dtype=torch.float64,
+        )
         self.dim = r
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.to(torch.float64)
-        padded = torch.cat([x, torch.ones_like(x[..., :1])], dim=-1)  # [..., d+1]
-        if self.degree == 0:
-            return self.coef.to(x.device).expand(*x.shape[:-1], 1).clone()
-        gathered = padded[..., self.index.to(x.device)]  # [..., r, s]
-        return self.coef.to(x.device) * gathered.prod(dim=-1)
+    def __call__(self, x: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+        """Degree by degree: ``mono_j = mono_{j-1}[parent] * x[factor]``, computed feature-major
+        (``[r, tokens]``) so each step is a contiguous row gather."""
+        rows = x.to(dtype).reshape(-1, self.dim_in).T.contiguous()  # [d, tokens]
+        out = rows.new_empty(self.dim, rows.shape[1])
+        out[0] = 1.0
+        for block in self.blocks[1:]:
+            parent, factor = self.parent[block].to(x.device), self.factor[block].to(x.device)
+            out[block] = out[parent] * rows[factor]
+        out *= self.coef.to(rows)[:, None]
+        return out.T.reshape(*x.shape[:-1], self.dim)
 
     def coordinate_bounds(self, bounds: InputBounds) -> torch.Tensor:
         """Gamma_alpha = coef_alpha * R^|alpha| (tight per-coordinate range, spec 4.2)."""
@@ -189,9 +202,9 @@ class RandomFeatures(FeatureMap):
         self.omega = torch.randn(self.num_features, self.dim_in, generator=generator, dtype=torch.float64)
         self.dim = self.num_features
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x_scaled = math.sqrt(self.beta) * x.to(torch.float64)
-        logits = x_scaled @ self.omega.to(x.device).T - 0.5 * (x_scaled**2).sum(-1, keepdim=True)
+    def __call__(self, x: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+        x_scaled = math.sqrt(self.beta) * x.to(dtype)
+        logits = x_scaled @ self.omega.to(x_scaled).T - 0.5 * (x_scaled**2).sum(-1, keepdim=True)
         return torch.exp(logits) / math.sqrt(self.num_features)
 
     def coordinate_bounds(self, bounds: InputBounds) -> torch.Tensor:

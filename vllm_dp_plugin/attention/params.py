@@ -32,6 +32,9 @@ class DPAttentionParams:
     calibration of the l1/linf sensitivities, trlaplace spec S10).
     ``clamp``: post-process each denominator into ``[n e^{-T}, n e^{T}]`` and outputs into
     ``[-R_w, R_w]`` (spec A19/A20); off is paper-literal (Alg. 1 divides blindly).
+    ``query_dtype``: precision of the state mode's query-side features and contraction (the
+    release itself is always sampled and stored in float64; tree/reference query in float64
+    because of the P_wx/Value cancellation, spec 10.3).
     ``max_context``: longest private context accepted; ``memory_limit_bytes`` caps the tree table.
     """
 
@@ -48,6 +51,7 @@ class DPAttentionParams:
     feature_seed: int = 0
     state_mechanism: Literal["gaussian", "truncated_laplace"] = "gaussian"
     clamp: bool = True
+    query_dtype: Literal["float32", "float64"] = "float32"
     tree: TreeParams = field(default_factory=TreeParams)
     max_context: int = 1 << 17
     memory_limit_bytes: int = 16 << 30
@@ -60,6 +64,7 @@ class DPAttentionParams:
         _choice("composition", self.composition, COMPOSITIONS)
         _choice("features", self.features, FEATURES)
         _choice("state_mechanism", self.state_mechanism, STATE_MECHANISMS)
+        _choice("query_dtype", self.query_dtype, ("float32", "float64"))
         if self.degree is not None and (not isinstance(self.degree, int) or self.degree < 0):
             raise ValueError(f"degree must be an integer >= 0 or None, got {self.degree!r}")
         check_positive(self.kernel_error, "kernel_error")

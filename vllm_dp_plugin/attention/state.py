@@ -7,7 +7,7 @@ only holder of exact private data; ``release`` adds the noise once and returns a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,10 +21,19 @@ class NoisyKernelState:
 
     state: torch.Tensor
     rows: int
+    _cast: torch.Tensor | None = field(default=None, repr=False)  # the release in a query dtype
 
     def answer(self, pq: torch.Tensor) -> torch.Tensor:
-        """pq: [H, m, F] query features -> [H, m, W] = (numerators | denominator), float64."""
-        return torch.bmm(pq.to(self.state), self.state)
+        """pq: [H, m, F] query features -> [H, m, W] = (numerators | denominator), in pq's dtype
+        (float32 queries contract a float32 copy of the float64 release: post-processing)."""
+        return torch.bmm(pq, self._state_as(pq.dtype))
+
+    def _state_as(self, dtype: torch.dtype) -> torch.Tensor:
+        if dtype == self.state.dtype:
+            return self.state
+        if self._cast is None or self._cast.dtype != dtype:
+            self._cast = self.state.to(dtype)
+        return self._cast
 
     @property
     def nbytes(self) -> int:
