@@ -39,9 +39,9 @@ serve: $(STAMP) $(if $(filter $(DEMO_MODEL),$(MODEL)),$(DEMO_MODEL)/config.json)
 	@echo "       -d '{\"model\": \"$(MODEL)\", \"messages\": [{\"role\": \"user\", \"content\": \"Hello\"}], \"max_tokens\": 16}'"
 	$(VENV)/bin/vllm-dp serve $(MODEL) --host $(HOST) --port $(PORT) $(SERVE_FLAGS)
 
+# Every benchmark suite, results under benchmarks/results/ (attention: ~15 min on 2 CPU cores).
 bench: $(STAMP)
-	@ls benchmarks/*.py >/dev/null 2>&1 || { echo "no benchmark suites yet"; exit 0; }
-	@for suite in benchmarks/*.py; do echo "== $$suite"; $(PY) $$suite || exit 1; done
+	$(VENV)/bin/vllm-dp bench attention
 
 # Wheels for benchmarks/gpu/attention.sh on a CUDA box with only torch/triton (Python 3.12, no
 # network): dp-accounting and its small dependencies pinned to its ranges (numpy and scipy are
