@@ -894,20 +894,8 @@ def plot(results: dict, stem: Path) -> list[Path]:
                 slope = slopes.get((mode, d, eps), {})
                 line = ax.loglog(ns, [r["noise_rel_median"] for r in rows], "o-", label=f"eps={eps:g} noise (slope {fmt(slope.get('noise_slope'))})")
                 ax.loglog(ns, [r["den_noise_rel_median"] for r in rows], "x:", color=line[0].get_color(), label=f"eps={eps:g} den noise (slope {fmt(slope.get('den_slope'))})")
-            _at_least_a_decade(ax)
-            ax.set_title(f"{mode}, d={d}: noise error vs n (median)")
-            ax.set_xlabel("context length n")
-            ax.set_ylabel("relative error")
-            ax.grid(True, which="both", alpha=0.3)
-            if ax.lines:
-                ax.legend(fontsize=7)
-            else:
-                ax.text(0.5, 0.5, "not run", ha="center", transform=ax.transAxes)
-    fig.tight_layout()
-    path = stem.parent / f"{stem.name}-error-vs-n.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    paths.append(path)
+            _finish_axes(ax, f"{mode}, d={d}: noise error vs n (median)", "context length n", "relative error")
+    paths.append(_save(fig, stem, "error-vs-n"))
 
     fig, axes = plt.subplots(len(ds), 2, figsize=(11, 4.2 * len(ds)), squeeze=False)
     for i, d in enumerate(ds):
@@ -917,21 +905,33 @@ def plot(results: dict, stem: Path) -> list[Path]:
                 rows = sorted((r for r in ok if (r["mode"], r["d"], r["n"]) == (mode, d, n)), key=lambda r: r["eps"])
                 if rows:
                     ax.loglog([r["eps"] for r in rows], [r["rel_median"] for r in rows], "o-", label=f"n={n} (DP output vs exact)")
-            _at_least_a_decade(ax)
-            ax.set_title(f"{mode}, d={d}: median relative row error vs eps")
-            ax.set_xlabel("epsilon per head")
-            ax.set_ylabel("median ||O~ - O|| / ||O||")
-            ax.grid(True, which="both", alpha=0.3)
-            if ax.lines:
-                ax.legend(fontsize=7)
-            else:
-                ax.text(0.5, 0.5, "not run", ha="center", transform=ax.transAxes)
+            _finish_axes(
+                ax, f"{mode}, d={d}: median relative row error vs eps", "epsilon per head", "median ||O~ - O|| / ||O||"
+            )
+    paths.append(_save(fig, stem, "error-vs-eps"))
+    return paths
+
+
+def _finish_axes(ax, title: str, xlabel: str, ylabel: str) -> None:
+    _at_least_a_decade(ax)
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, which="both", alpha=0.3)
+    if ax.lines:
+        ax.legend(fontsize=7)
+    else:
+        ax.text(0.5, 0.5, "not run", ha="center", transform=ax.transAxes)
+
+
+def _save(fig, stem: Path, suffix: str) -> Path:
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
-    path = stem.parent / f"{stem.name}-error-vs-eps.png"
+    path = stem.parent / f"{stem.name}-{suffix}.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
-    paths.append(path)
-    return paths
+    return path
 
 
 def markdown(results: dict, settings: Settings, files: list[Path]) -> str:
