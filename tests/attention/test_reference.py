@@ -19,6 +19,7 @@ from vllm_dp_plugin.attention.reference import (
     DPTreeSoftmax,
     DPTreeSoftmaxAdaptive,
     bin_index,
+    reference_arguments,
 )
 from vllm_dp_plugin.attention.tree_spec import make_tree_spec, sample_tree_noise
 from vllm_dp_plugin.privacy.accountant import Budget
@@ -404,20 +405,7 @@ def small_head(
     spec = make_tree_spec(fmap, keys, value_bound, signed, params, budget, dv, n)
     k = torch.rand(n, d, generator=g, dtype=F64) * (2 if signed else 1) - (1 if signed else 0)
     values = (torch.rand(n, dv, generator=g, dtype=F64) * 2 - 1) * value_bound
-    kwargs = {
-        "epsilon": 3.0,
-        "delta": 1e-5,
-        "delta_prime": params.delta_prime,
-        "c": budget.c,
-        "copies": params.copies,
-        "output_level": params.output_level,
-        "lo": spec.lo,
-        "hi": spec.hi,
-        "value_bound": value_bound,
-        "ones_bound": 1.0 if params.ones_sensitivity == "unit" else value_bound,
-        "sw_hi": spec.sw_hi,
-        "leaves": spec.leaves,
-    }
+    kwargs = reference_arguments(spec, budget, params, value_bound)
     return fmap, fmap(k), values, spec, budget, kwargs
 
 

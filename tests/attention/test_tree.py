@@ -8,6 +8,7 @@ import torch
 
 from vllm_dp_plugin.attention.budget import TreeParams, tree_budget
 from vllm_dp_plugin.attention.features import InputBounds, TaylorFeatures
+from vllm_dp_plugin.attention.reference import DPCrossAttentionReference, reference_arguments
 from vllm_dp_plugin.attention.tree import TreeRelease
 from vllm_dp_plugin.attention.tree_spec import TreeSpec, make_tree_spec, sample_tree_noise
 from vllm_dp_plugin.privacy.accountant import Budget
@@ -229,20 +230,7 @@ def small_head(params: TreeParams, signed: bool, coord: float, n=13, d=2, degree
     k = low + (coord - low) * torch.rand(n, d, generator=g, dtype=F64)
     q = low + (coord - low) * torch.rand(5, d, generator=g, dtype=F64)
     values = (torch.rand(n, dv, generator=g, dtype=F64) * 2 - 1) * value_bound
-    kwargs = {
-        "epsilon": 3.0,
-        "delta": 1e-5,
-        "delta_prime": params.delta_prime,
-        "c": budget.c,
-        "copies": params.copies,
-        "output_level": params.output_level,
-        "lo": spec.lo,
-        "hi": spec.hi,
-        "value_bound": value_bound,
-        "ones_bound": 1.0 if params.ones_sensitivity == "unit" else value_bound,
-        "sw_hi": spec.sw_hi,
-        "leaves": spec.leaves,
-    }
+    kwargs = reference_arguments(spec, budget, params, value_bound)
     return fmap(k), values, fmap(q), spec, kwargs
 
 
@@ -256,11 +244,10 @@ def small_head(params: TreeParams, signed: bool, coord: float, n=13, d=2, degree
     ids=["default", "signed-l3", "paper-l3-R1.5"],
 )
 def test_matches_mode_a_reference(params, signed, coord):
-    reference = pytest.importorskip("vllm_dp_plugin.attention.reference")
     pk, values, pq, spec, kwargs = small_head(params, signed, coord)
     weights = torch.cat([values, torch.ones(values.shape[0], 1, dtype=F64)], dim=1)
     feature_noise, sw_noise = sample_tree_noise(spec, 1, gen(21))
-    ref = reference.DPCrossAttentionReference(
+    ref = DPCrossAttentionReference(
         pk, values, **kwargs, noise=(feature_noise[0], sw_noise[0]), generator=gen(22)
     )
     release = TreeRelease.build(pk[None], weights[None], spec, gen(23), (feature_noise, sw_noise), dtype=F64)
@@ -268,7 +255,7 @@ def test_matches_mode_a_reference(params, signed, coord):
     assert_answers_close(release.answer(pq[None])[0], expected, 1e-9)
     # and noise-free
     zero = zero_noise(spec, 1)
-    ref0 = reference.DPCrossAttentionReference(pk, values, **kwargs, noise=(zero[0][0], zero[1][0]), generator=gen(22))
+    ref0 = DPCrossAttentionReference(pk, values, **kwargs, noise=(zero[0][0], zero[1][0]), generator=gen(22))
     release0 = TreeRelease.build(pk[None], weights[None], spec, gen(23), zero, dtype=F64)
     assert_answers_close(release0.answer(pq[None])[0], ref0.answer(pq), 1e-9)
 

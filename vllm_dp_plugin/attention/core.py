@@ -199,26 +199,11 @@ class DPCrossAttention:
             from .tree import TreeRelease
 
             return mechanism, TreeRelease.build(pk, weights, spec, generator)
-        from .reference import DPCrossAttentionReference
+        from .reference import DPCrossAttentionReference, reference_arguments
 
+        arguments = reference_arguments(spec, budget, self.params.tree, self.mapping.value_bound)
         heads = [
-            DPCrossAttentionReference(
-                pk[h],
-                weights[h, :, :-1],
-                epsilon=budget.head.epsilon,
-                delta=budget.head.delta,
-                delta_prime=self.params.tree.delta_prime,
-                c=budget.c,
-                copies=self.params.tree.copies,
-                output_level=self.params.tree.output_level,
-                lo=spec.lo,
-                hi=spec.hi,
-                value_bound=self.mapping.value_bound,
-                ones_bound=1.0 if self.params.tree.ones_sensitivity == "unit" else self.mapping.value_bound,
-                sw_hi=spec.sw_hi,
-                leaves=spec.leaves,
-                generator=generator,
-            )
+            DPCrossAttentionReference(pk[h], weights[h, :, :-1], **arguments, generator=generator)
             for h in range(self.kv_heads)
         ]
         return mechanism, _PerHead(heads)

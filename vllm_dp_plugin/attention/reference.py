@@ -33,6 +33,8 @@ import torch
 
 from ..privacy.mechanisms import Mechanism, truncated_laplace_mechanism
 from ..privacy.validation import check_delta, check_epsilon, check_positive
+from .budget import TreeBudget, TreeParams
+from .tree_spec import TreeSpec
 
 RANGE_SLACK = 1e-9  # relative slack of the data-range check (feature maps round by a few ulps)
 
@@ -567,3 +569,23 @@ class DPCrossAttentionReference:
         """[m, d_v]: num_k / den (Alg. 1 lines 13-15); literal, no clamps (A19/A20 off)."""
         answers = self.answer(pq)
         return answers[:, : self.value_dim] / answers[:, self.value_dim :]
+
+
+def reference_arguments(spec: TreeSpec, budget: TreeBudget, params: TreeParams, value_bound: float) -> dict:
+    """The literal Alg. 1 arguments of ``DPCrossAttentionReference`` (everything but the data,
+    noise and generator) for the head that ``spec``/``budget``/``params`` describe; the reference
+    redoes the budget splits itself from these."""
+    return {
+        "epsilon": budget.head.epsilon,
+        "delta": budget.head.delta,
+        "delta_prime": params.delta_prime,
+        "c": budget.c,
+        "copies": params.copies,
+        "output_level": params.output_level,
+        "lo": spec.lo,
+        "hi": spec.hi,
+        "value_bound": value_bound,
+        "ones_bound": 1.0 if params.ones_sensitivity == "unit" else value_bound,
+        "sw_hi": spec.sw_hi,
+        "leaves": spec.leaves,
+    }
