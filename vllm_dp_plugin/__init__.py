@@ -12,11 +12,16 @@ _registered = False
 
 
 def register() -> None:
-    """vLLM general-plugin hook; idempotent, imports nothing from vLLM.
+    """vLLM general-plugin hook (every vLLM process); idempotent, imports vLLM lazily.
 
-    Installs nothing yet: the DP components (attention backend, private-context renderer,
-    budget endpoint) register here as they land, and act only when ``dp_privacy`` is
-    configured. Until then a loaded plugin leaves vLLM's behaviour unchanged.
+    Installs the DP attention backend (``CPU_ATTN`` override on CPU, ``CUSTOM`` on CUDA) and
+    the ``dp_private`` tokenizer mode; both are exact pass-throughs until ``dp_privacy`` is
+    configured (``--additional-config '{"dp_privacy": {...}}'``).
     """
     global _registered
+    if _registered:
+        return
+    from .serving.plugin import install
+
+    install()
     _registered = True

@@ -1,6 +1,8 @@
 """``vllm-dp``: one CLI for serving, demo models and privacy accounting.
 
-    vllm-dp serve MODEL [vLLM serve flags...]   vLLM's OpenAI server with the plugin loaded
+    vllm-dp serve MODEL [--dp-config FILE] [vLLM serve flags...]
+                                                vLLM's OpenAI server with the plugin loaded
+    vllm-dp calibrate MODEL --out FILE          public clipping bounds for DP attention
     vllm-dp make-demo-model DIR                 tiny random Llama + locally trained tokenizer
     vllm-dp account --config FILE               the privacy budget a configuration spends
     vllm-dp bench attention [options]           DP attention vs exact attention benchmark
@@ -23,10 +25,23 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser(
         "serve",
         help="run vLLM's OpenAI-compatible server with the plugin loaded",
-        description="Forwards every argument to `vllm serve` (see `vllm serve --help`).",
+        description=(
+            "`--dp-config FILE` (YAML/JSON with a dp_privacy section) becomes vLLM's "
+            "--additional-config (and --tokenizer-mode dp_private for a private context); every "
+            "other argument goes to `vllm serve` (see `vllm serve --help`)."
+        ),
         add_help=False,
     )
+    serve.add_argument("--dp-config", default=None, help=argparse.SUPPRESS)
     serve.set_defaults(handler=_serve)
+
+    calibrate = commands.add_parser(
+        "calibrate",
+        help="public clipping bounds for DP attention (run a model over public text)",
+        description="Options are parsed by `vllm_dp_plugin.calibration` (see --help).",
+        add_help=False,
+    )
+    calibrate.set_defaults(handler=_calibrate)
 
     demo = commands.add_parser("make-demo-model", help="build the tiny local demo Llama")
     demo.add_argument("out_dir", metavar="DIR", help="output directory")
@@ -52,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
-    if args.command not in ("serve", "bench") and rest:
+    if args.command not in ("serve", "bench", "calibrate") and rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
         return args.handler(args, rest) or 0
@@ -62,9 +77,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serve(args: argparse.Namespace, rest: list[str]) -> int:
-    from .serving.launch import run_vllm_cli
+    from .serving.launch import run_vllm_cli, serve_arguments
 
-    return run_vllm_cli(["serve", *rest])
+    return run_vllm_cli(["serve", *serve_arguments(rest, args.dp_config)])
+
+
+def _calibrate(args: argparse.Namespace, rest: list[str]) -> int:
+    from .calibration import main as calibrate_main
+
+    return calibrate_main(rest)
 
 
 def _make_demo_model(args: argparse.Namespace, rest: list[str]) -> int:

@@ -13,8 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from .privacy.accountant import COMPOSITIONS, Budget
-from .privacy.budget import MECHANISM_KINDS
-from .privacy.validation import check_count, check_delta, check_epsilon
+from .privacy.validation import check_count, check_delta, check_epsilon, check_positive
 
 CONFIG_KEY = "dp_privacy"
 
@@ -23,13 +22,29 @@ class ConfigError(ValueError):
     """A ``dp_privacy`` configuration that cannot be used; the message says which key and why."""
 
 
+STATE_MECHANISMS = ("gaussian", "truncated_laplace")
+MAX_CURVE_EPSILON = 100.0  # pld/rdp discretise the privacy loss; beyond this they blow up
+BOUND_KEYS = ("key_bound", "query_bound", "value_bound", "key_norm", "query_norm")
+
+
 @dataclass(frozen=True)
 class AttentionPrivacyConfig:
     """DP attention over the private context: total budget for the whole model.
 
-    The budget is split over ``num_layers x num_kv_heads x releases_per_head`` releases; the
-    guarantee's unit is one private K/V row of one layer. ``num_layers``/``num_kv_heads`` are
-    read from the served model when omitted.
+    ``epsilon``/``delta`` cover every release of one private context: ``num_layers x
+    num_kv_heads x releases_per_head`` per-(layer, KV head) releases composed with
+    ``composition``. The guarantee's unit is one private K/V row of one layer (replace-one).
+    ``num_layers``/``num_kv_heads`` are read from the served model when omitted.
+
+    ``mode``: ``state`` (noisy kernelised state; ``mechanism`` is its noise) or ``tree`` (DPTree).
+    ``features``/``degree``/``kernel_error``/``max_features``/``num_random_features``: the
+    public feature map (``attention.params.DPAttentionParams``).
+    Bounds come from public data only: ``calibration`` (a file from ``vllm-dp calibrate``) or
+    explicit ``bounds`` (``key_bound``, ``query_bound``, ``value_bound`` and optional
+    ``key_norm``/``query_norm``), exactly one of the two when serving.
+    ``private_context``: text file whose tokens occupy positions [0, P) of every request of a
+    decoder-only model (needs ``--tokenizer-mode dp_private``). Encoder-decoder models (Whisper)
+    treat each request's encoder output as the private context instead.
     """
 
     epsilon: float
@@ -37,6 +52,15 @@ class AttentionPrivacyConfig:
     mode: str = "state"
     mechanism: str = "gaussian"
     composition: str = "pld"
+    features: str = "taylor"
+    degree: int | None = None
+    kernel_error: float = 0.01
+    max_features: int = 20_000
+    num_random_features: int = 256
+    calibration: str | None = None
+    bounds: dict[str, float] | None = None
+    private_context: str | None = None
+    max_context: int = 32_768
     num_layers: int | None = None
     num_kv_heads: int | None = None
     releases_per_head: int = 1
@@ -45,12 +69,26 @@ class AttentionPrivacyConfig:
         _check(check_epsilon, self.epsilon, "attention.epsilon")
         _check(check_delta, self.delta, "attention.delta")
         _choice(self.mode, ("state", "tree"), "attention.mode")
-        _choice(self.mechanism, MECHANISM_KINDS, "attention.mechanism")
+        _choice(self.mechanism, STATE_MECHANISMS, "attention.mechanism")
         _choice(self.composition, COMPOSITIONS, "attention.composition")
-        for name in ("num_layers", "num_kv_heads", "releases_per_head"):
+        _choice(self.features, ("taylor", "prf"), "attention.features")
+        if self.degree is not None and (not isinstance(self.degree, int) or self.degree < 0):
+            raise ConfigError(f"attention.degree must be an integer >= 0, got {self.degree!r}")
+        _check(check_positive, self.kernel_error, "attention.kernel_error")
+        for name in ("num_layers", "num_kv_heads", "releases_per_head", "max_features",
+                     "num_random_features", "max_context"):
             value = getattr(self, name)
             if value is not None:
                 _check(check_count, value, f"attention.{name}")
+        if self.composition in ("pld", "rdp") and self.epsilon > MAX_CURVE_EPSILON:
+            raise ConfigError(
+                f"attention.epsilon={self.epsilon:g} is beyond what {self.composition} accounting "
+                f"handles (<= {MAX_CURVE_EPSILON:g}); use composition basic or advanced"
+            )
+        if self.calibration is not None and self.bounds is not None:
+            raise ConfigError("attention: give either `calibration` or `bounds`, not both")
+        if self.bounds is not None:
+            _check_bounds(self.bounds)
 
     @property
     def total(self) -> Budget:
@@ -64,6 +102,19 @@ class AttentionPrivacyConfig:
                 "(they are read from the model when serving)"
             )
         return self.num_layers * self.num_kv_heads * self.releases_per_head
+
+
+def _check_bounds(bounds: Any) -> None:
+    if not isinstance(bounds, dict):
+        raise ConfigError(f"attention.bounds must be a mapping, got {type(bounds).__name__}")
+    unknown = sorted(set(bounds) - set(BOUND_KEYS))
+    if unknown:
+        raise ConfigError(f"attention.bounds: unknown key(s) {unknown}; known keys are {list(BOUND_KEYS)}")
+    missing = [k for k in BOUND_KEYS[:3] if k not in bounds]
+    if missing:
+        raise ConfigError(f"attention.bounds: missing required key(s) {missing}")
+    for name, value in bounds.items():
+        _check(check_positive, value, f"attention.bounds.{name}")
 
 
 @dataclass(frozen=True)

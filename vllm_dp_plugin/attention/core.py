@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..privacy.mechanisms import Mechanism
 from .accounting import (
     AttentionAccount,
     StateSensitivity,
@@ -80,8 +81,12 @@ class DPCrossAttention:
         head_dim: int,
         value_dim: int,
         num_query_heads: int | None = None,
+        budget_heads: int | None = None,
     ):
         self.params, self.mapping = params, mapping
+        # KV-head releases that share params' budget when scope="layer" (default: this layer's);
+        # serving passes layers x KV heads so the budget covers the whole model.
+        self.budget_heads = budget_heads or num_kv_heads
         self.kv_heads, self.head_dim, self.value_dim = num_kv_heads, head_dim, value_dim
         self.query_heads = num_query_heads or num_kv_heads
         if self.query_heads % num_kv_heads:
@@ -126,8 +131,8 @@ class DPCrossAttention:
         if self.rows == 0:
             raise ValueError("the private context is empty: call add(K, V) first")
         generator = generator or torch.Generator().manual_seed(secrets.randbits(63))
+        mechanism = self.planned_mechanism(self.rows)
         if self.params.mode == "state":
-            mechanism = state_mechanism(self.params, self.kv_heads, self.state_sensitivity())
             self._release = self._state.release(mechanism, generator)
             self._state = None
         else:
@@ -135,7 +140,7 @@ class DPCrossAttention:
             pk = torch.cat([c[0] for c in self._chunks], dim=1)
             weights = torch.cat([c[1] for c in self._chunks], dim=1)
             self._chunks.clear()
-            mechanism, self._release = self._build_tree(pk, weights, generator)
+            self._release = self._build_tree(pk, weights, generator)
             del pk, weights
         self._account = AttentionAccount(mechanism, self.kv_heads, self.params.composition)
         return self
@@ -144,6 +149,12 @@ class DPCrossAttention:
         """``add(k, v)`` then ``finalize(generator)``."""
         self.add(k, v)
         return self.finalize(generator)
+
+    def planned_mechanism(self, n: int) -> Mechanism:
+        """The per-KV-head release a context of ``n`` rows gets (public: bounds, params, n)."""
+        if self.params.mode == "state":
+            return state_mechanism(self.params, self.budget_heads, self.state_sensitivity())
+        return tree_mechanism(self._tree_budget(n), float(self.tree_spec(n).sensitivity[0, 0, 0]))
 
     def state_sensitivity(self) -> StateSensitivity:
         """Replace-one sensitivities of the state from the public bounds (spec 9 D5)."""
@@ -172,7 +183,7 @@ class DPCrossAttention:
         )
 
     def _tree_budget(self, n: int) -> TreeBudget:
-        head = head_budget(self.params, self.kv_heads)
+        head = head_budget(self.params, self.budget_heads)
         return tree_budget(head, self.params.tree, self.features.dim, self.value_dim, n)
 
     def tree_table_bytes(self, n: int) -> int:
@@ -192,21 +203,19 @@ class DPCrossAttention:
 
     def _build_tree(self, pk: torch.Tensor, weights: torch.Tensor, generator: torch.Generator):
         n = pk.shape[1]
-        budget = self._tree_budget(n)
         spec = self.tree_spec(n)
-        mechanism = tree_mechanism(budget, float(spec.sensitivity[0, 0, 0]))
         if self.params.mode == "tree":
             from .tree import TreeRelease
 
-            return mechanism, TreeRelease.build(pk, weights, spec, generator)
+            return TreeRelease.build(pk, weights, spec, generator)
         from .reference import DPCrossAttentionReference, reference_arguments
 
-        arguments = reference_arguments(spec, budget, self.params.tree, self.mapping.value_bound)
+        arguments = reference_arguments(spec, self._tree_budget(n), self.params.tree, self.mapping.value_bound)
         heads = [
             DPCrossAttentionReference(pk[h], weights[h, :, :-1], **arguments, generator=generator)
             for h in range(self.kv_heads)
         ]
-        return mechanism, _PerHead(heads)
+        return _PerHead(heads)
 
     # ------------------------------------------------------------------ query
     def query_parts(self, q: torch.Tensor) -> PrivateAnswer:

@@ -1,0 +1,69 @@
+"""Run one ``vllm.LLM`` engine through a list of steps; prints one ``RESULT {json}`` line.
+
+A script (CPU vLLM forces spawn, hence the __main__ guard) driven by a JSON job:
+``{"model", "llm": {extra LLM kwargs}, "steps": [...]}`` where a step is
+``{"prompts": [str | [ids]], "max_tokens": n}`` (greedy generation; result: token ids),
+``{"chat": [[messages]], "max_tokens": n}`` or ``{"poison_private_kv": true}`` (overwrite, on
+every worker, the cache rows the DP backend collected as private with NaN).
+"""
+
+import json
+import sys
+
+
+def poison_private_rows(worker) -> int:
+    """Fill every private row of the KV cache with NaN; returns the number of rows poisoned."""
+    import torch
+
+    poisoned = 0
+    for module in worker.model_runner.model.modules():
+        impl = getattr(module, "impl", None)
+        slots = getattr(impl, "_private_slots", None)
+        if slots is None:
+            continue
+        cache = module.kv_cache[0] if isinstance(module.kv_cache, list) else module.kv_cache
+        key_cache, value_cache = impl._paged_kv(cache, module)
+        block_size = key_cache.shape[2]
+        for cache in (key_cache, value_cache):
+            cache[slots // block_size, :, slots % block_size] = torch.nan
+        poisoned += int(slots.numel())
+    return poisoned
+
+
+def run_step(llm, step):
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=step.get("max_tokens", 8))
+    if step.get("poison_private_kv"):
+        return {"poisoned": llm.collective_rpc(poison_private_rows)}
+    if "chat" in step:
+        outputs = llm.chat(step["chat"], params)
+    else:
+        prompts = [{"prompt_token_ids": p} if isinstance(p, list) else p for p in step["prompts"]]
+        outputs = llm.generate(prompts, params)
+    return {
+        "token_ids": [list(o.outputs[0].token_ids) for o in outputs],
+        "prompt_token_ids": [list(o.prompt_token_ids) for o in outputs],
+    }
+
+
+def main(job: dict) -> None:
+    from vllm import LLM
+
+    kwargs = {
+        "model": job["model"],
+        "dtype": "float32",
+        "block_size": 32,
+        "max_model_len": 1024,
+        "enforce_eager": True,
+        "gpu_memory_utilization": 0.25,
+        "seed": 0,
+    }
+    kwargs.update(job.get("llm", {}))
+    llm = LLM(**kwargs)
+    results = [run_step(llm, step) for step in job["steps"]]
+    print("RESULT " + json.dumps(results), flush=True)
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))

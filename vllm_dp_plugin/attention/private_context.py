@@ -1,0 +1,136 @@
+"""One layer's DP release of a private context, as served: collect rows, release once, answer.
+
+Serving feeds K/V rows as the engine computes them (chunked prefill, several requests sharing
+the same private prefix, recomputation after eviction): rows are stored by position, so a row
+written twice is stored once, and the release happens exactly once, when all ``n`` rows are
+present. The noise of KV head ``g`` of layer ``l`` comes from the keyed generator of
+(context id, ``layer=l/kv_head=g``) with the *global* head index, so every tensor-parallel
+layout and every restart releases the same structure (spec 10.2, keyed noise).
+
+Each KV head is its own ``DPCrossAttention`` whose per-head budget is the model total split
+over ``budget_heads`` = layers x KV heads releases (``scope="layer"`` composition).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..privacy.keyed_noise import NoiseKey
+from .core import DPCrossAttention
+from .mapping import HeadMapping
+from .merge import AttentionPart
+from .params import DPAttentionParams
+
+
+def noise_stream(layer: int, kv_head: int) -> str:
+    """The keyed-noise stream name of one (layer, global KV head) release."""
+    return f"attention/layer={layer}/kv_head={kv_head}"
+
+
+def head_mapping(mapping: HeadMapping, head: int) -> HeadMapping:
+    """``mapping`` restricted to one KV head (its row of ``key_center``)."""
+    if mapping.key_center is None:
+        return mapping
+    return dataclasses.replace(mapping, key_center=mapping.key_center[head : head + 1])
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadLayout:
+    """Which heads this process holds: KV heads ``[kv_offset, kv_offset + kv_heads)`` of the
+    model's ``total_kv_heads``, with ``query_heads`` local query heads folded onto them."""
+
+    kv_heads: int
+    query_heads: int
+    kv_offset: int
+    total_kv_heads: int
+
+    @staticmethod
+    def for_rank(total_kv_heads: int, total_query_heads: int, tp_size: int, rank: int) -> HeadLayout:
+        """vLLM's tensor-parallel split: KV heads are partitioned when ``total_kv_heads >= tp``
+        and replicated (one per rank, shared by ``tp / total`` ranks) otherwise."""
+        if total_kv_heads >= tp_size:
+            kv_heads, offset = total_kv_heads // tp_size, rank * (total_kv_heads // tp_size)
+        else:
+            kv_heads, offset = 1, rank // (tp_size // total_kv_heads)
+        return HeadLayout(kv_heads, total_query_heads // tp_size, offset, total_kv_heads)
+
+
+class PrivateContextLayer:
+    """Rows ``[0, n)`` of one layer's private context -> a keyed, once-only DP release.
+
+    ``collect`` is the only method that sees exact K/V; ``release`` drops them. After that,
+    ``answer`` is post-processing of the release.
+    """
+
+    def __init__(
+        self,
+        params: DPAttentionParams,
+        mapping: HeadMapping,
+        layer: int,
+        heads: HeadLayout,
+        head_dim: int,
+        context_len: int,
+        budget_heads: int,
+    ):
+        if context_len > params.max_context:
+            raise ValueError(
+                f"private context of {context_len} tokens exceeds max_context={params.max_context}"
+            )
+        self.layer, self.heads, self.context_len = layer, heads, context_len
+        groups = heads.query_heads // heads.kv_heads
+        offset = heads.kv_offset
+        self._heads = [
+            DPCrossAttention(
+                params, head_mapping(mapping, offset + g), 1, head_dim, head_dim, groups, budget_heads
+            )
+            for g in range(heads.kv_heads)
+        ]
+        self._k = torch.zeros(context_len, heads.kv_heads, head_dim, dtype=torch.float64)
+        self._v = torch.zeros_like(self._k)
+        self._seen = torch.zeros(context_len, dtype=torch.bool)
+
+    @property
+    def released(self) -> bool:
+        return self._k is None
+
+    @property
+    def complete(self) -> bool:
+        """All ``context_len`` rows collected (and not yet released)."""
+        return self._k is not None and bool(self._seen.all())
+
+    def collect(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store rows at ``positions: [T]`` (< context_len): ``k, v: [T, H_kv_local, d]``.
+        A no-op once released: recomputed rows never enter a second release."""
+        if self.released or positions.numel() == 0:
+            return
+        pos = positions.cpu().long()
+        self._k[pos] = k.detach().cpu().to(torch.float64)
+        self._v[pos] = v.detach().cpu().to(torch.float64)
+        self._seen[pos] = True
+
+    def release(self, key: NoiseKey, context: str) -> None:
+        """Build every local head's release with its keyed noise and drop the exact rows."""
+        if not self.complete:
+            raise RuntimeError(f"layer {self.layer}: {int(self._seen.sum())}/{self.context_len} rows")
+        for g, head in enumerate(self._heads):
+            stream = noise_stream(self.layer, self.heads.kv_offset + g)
+            head.build(self._k[:, g][None], self._v[:, g][None], key.generator(context, stream))
+        self._k = self._v = self._seen = None
+
+    def answer(self, q: torch.Tensor) -> AttentionPart:
+        """DP part for ``q: [m, H_q_local, d]``: ``out: [H_q_local, m, d]``, ``lse: [H_q_local, m]``
+        (float64; true-logit scale, ready for ``merge_parts``)."""
+        if not self.released:
+            raise RuntimeError(f"layer {self.layer}: the private context is not released yet")
+        groups = self.heads.query_heads // self.heads.kv_heads
+        parts = [
+            head.query_parts(q[:, g * groups : (g + 1) * groups].transpose(0, 1)).part()
+            for g, head in enumerate(self._heads)
+        ]
+        return AttentionPart(torch.cat([p.out for p in parts]), torch.cat([p.lse for p in parts]))
+
+    def planned_mechanism(self):
+        """The per-(layer, KV head) release this context gets (public)."""
+        return self._heads[0].planned_mechanism(self.context_len)

@@ -1,0 +1,246 @@
+"""The DP attention backend: vLLM's own backend plus the private-context path.
+
+* CPU: ``DPCPUBackend`` replaces ``CPU_ATTN`` (the only backend the CPU platform uses).
+* CUDA: ``DPTritonBackend`` is registered as ``CUSTOM`` (``--attention-backend CUSTOM`` or
+  ``-ac.backend_per_kind '{"cross_attention": "CUSTOM"}'``).
+Without ``dp_privacy.attention`` both are exact pass-throughs to the parent backend.
+
+Decoder-only models (private context at positions [0, P) of every request):
+* ``do_kv_cache_update`` writes the cache as usual and hands rows at positions < P to the
+  layer's ``PrivateContextLayer``; when all P rows are present it releases once, with keyed noise.
+* ``forward`` answers a query at position p >= P as merge(DP part over [0, P), exact part over
+  [P, p]) and never reads cache rows < P for it; queries at private positions (the prefix's own
+  prefill) attend exactly, as they compute the private K/V themselves.
+Encoder-decoder models (Whisper): each request's encoder K/V are released when first written
+(they are not stored in the cache at all) and every cross-attention query reads only the release.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+from vllm.config import get_current_vllm_config
+from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+from vllm.model_executor.models.utils import extract_layer_index
+from vllm.v1.attention.backend import AttentionType
+from vllm.v1.attention.backends.cpu_attn import (
+    CPUAttentionBackend,
+    CPUAttentionBackendImpl,
+    CPUAttentionMetadataBuilder,
+)
+
+from ..attention.merge import merge_parts
+from ..attention.paged import BatchLayout, causal_part, gather_span
+from ..attention.private_context import HeadLayout, PrivateContextLayer
+from ..privacy.keyed_noise import NoiseKey, context_id
+from .settings import (
+    budget_payload,
+    check_serving,
+    context_plan,
+    dp_config,
+    private_context,
+    raw_config_json,
+)
+
+logger = logging.getLogger("vllm.dp_privacy")  # inherits vLLM's log handler
+
+
+class DPBuilderMixin:
+    """Adds ``dp_layout`` (positions, CPU offsets, block table) to the backend's metadata."""
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
+        md = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        cm = common_attn_metadata
+        num_tokens = cm.num_actual_tokens
+        positions = cm.positions[:num_tokens].cpu() if cm.positions is not None else None
+        seq_lens = cm.seq_lens.cpu()
+        md.dp_layout = BatchLayout(cm.query_start_loc_cpu, seq_lens, positions, cm.block_table_tensor)
+        md.dp_new_encoder_lens = cm.encoder_seq_lens_cpu  # cross-attention: rows written now
+        return md
+
+
+class DPImplMixin:
+    """The DP path around a parent impl; ``_paged_kv`` is the parent's cache layout."""
+
+    def _dp_init(self) -> None:
+        vllm_config = get_current_vllm_config()
+        cfg = dp_config(vllm_config)
+        self._dp_on = cfg.enabled and self.attn_type in (AttentionType.DECODER, AttentionType.ENCODER_DECODER)
+        enc_dec = bool(getattr(vllm_config.model_config, "is_encoder_decoder", False))
+        if enc_dec and self.attn_type == AttentionType.DECODER:
+            self._dp_on = False  # Whisper's decoder self-attention is public
+        if not self._dp_on:
+            return
+        check_serving(vllm_config, cfg)
+        self._vllm_config = vllm_config
+        self._key = NoiseKey(cfg.key_file)
+        tp, rank = get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
+        self._heads = HeadLayout.for_rank(
+            vllm_config.model_config.get_total_num_kv_heads(), self.num_heads * tp, tp, rank
+        )
+        self._layer: PrivateContextLayer | None = None  # decoder: created on first use
+        self._cross: dict[int, PrivateContextLayer] = {}  # enc-dec: first block id -> release
+        _validate_once(vllm_config)
+        if self.attn_type == AttentionType.DECODER:
+            self._context = private_context(vllm_config)
+            self._private_slots = torch.empty(0, dtype=torch.long)  # cache slots of private rows
+
+    def fused_rope_kvcache_supported(self) -> bool:
+        return False  # every K/V write must go through do_kv_cache_update
+
+    def fused_qk_norm_rope_kvcache_supported(self) -> bool:
+        return False
+
+    # ------------------------------------------------------------------ decoder: private prefix
+    def _private_layer(self, layer) -> PrivateContextLayer:
+        if self._layer is None:
+            index = extract_layer_index(layer.layer_name)
+            plan = context_plan(self._vllm_config, "self_attention", self._context.length)
+            self._layer = plan.layer(index, self._heads)
+        return self._layer
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        if not self._dp_on:
+            return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+        if self.attn_type == AttentionType.ENCODER_DECODER:
+            return  # encoder K/V go into the DP release only (see forward)
+        super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+        from vllm.forward_context import get_forward_context
+
+        md = get_forward_context().attn_metadata
+        md = md[layer.layer_name] if isinstance(md, dict) else md
+        positions = md.dp_layout.positions[: key.shape[0]]
+        private = positions < self._context.length
+        if bool(private.any()):
+            slots = slot_mapping[: key.shape[0]][private.to(slot_mapping.device)].cpu().long()
+            self._private_slots = torch.unique(torch.cat([self._private_slots, slots]))
+            dp = self._private_layer(layer)
+            dp.collect(positions[private], key[private.to(key.device)], value[private.to(value.device)])
+            if dp.complete:
+                dp.release(self._key, self._context.context_id)
+                logger.info("vllm-dp: layer %d released (context %s...)", dp.layer, self._context.context_id[:12])
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
+        if not self._dp_on or attn_metadata is None:
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+        if self.attn_type == AttentionType.ENCODER_DECODER:
+            return self._cross_forward(layer, query, key, value, attn_metadata, output)
+        key_cache, value_cache = self._paged_kv(kv_cache, layer)
+        lay, length = attn_metadata.dp_layout, self._context.length
+        for r in range(lay.num_requests):
+            tokens = lay.tokens(r)
+            q, pos, rows = query[tokens], lay.positions[tokens], int(lay.seq_lens[r])
+            out = torch.empty(q.shape[0], self.num_heads, self.head_size, dtype=torch.float64, device=q.device)
+            private = pos < length
+            if bool(private.any()):  # the private prefix's own prefill: exact, causal
+                k, v = (gather_span(c, lay.block_table[r], 0, rows) for c in (key_cache, value_cache))
+                out[private] = causal_part(q[private], pos[private], k, v, 0, self.scale).out.transpose(0, 1).double()
+            if not bool(private.all()):
+                public = ~private
+                k, v = (gather_span(c, lay.block_table[r], length, rows) for c in (key_cache, value_cache))
+                exact = causal_part(q[public], pos[public], k, v, length, self.scale)
+                dp = self._private_layer(layer).answer(q[public])
+                merged = merge_parts(dp, type(exact)(exact.out.double(), exact.lse.double()))
+                out[public] = merged.out.transpose(0, 1)
+            output[tokens] = out.to(output.dtype).view(output[tokens].shape)
+        return output
+
+    # ------------------------------------------------------------------ encoder-decoder
+    def _cross_forward(self, layer, query, key, value, md, output):
+        lay = md.dp_layout
+        if key is not None:
+            self._release_encoder_outputs(layer, key, value, md)
+        for r in range(lay.num_requests):
+            tokens = lay.tokens(r)
+            if tokens.stop == tokens.start:
+                continue
+            dp = self._cross[int(lay.block_table[r, 0])]
+            out = dp.answer(query[tokens]).out.transpose(0, 1)
+            output[tokens] = out.to(output.dtype).view(output[tokens].shape)
+        return output
+
+    def _release_encoder_outputs(self, layer, key, value, md) -> None:
+        """One release per request whose encoder K/V arrive now (rows in request order)."""
+        lay, new_lens = md.dp_layout, md.dp_new_encoder_lens
+        index = extract_layer_index(layer.layer_name)
+        start = 0
+        for r in range(lay.num_requests):
+            n = int(new_lens[r]) if new_lens is not None else 0
+            if n == 0:
+                continue
+            k, v = key[start : start + n], value[start : start + n]
+            start += n
+            plan = context_plan(self._vllm_config, "cross_attention", n)
+            dp = plan.layer(index, self._heads)
+            dp.collect(torch.arange(n), k, v)
+            ident = context_id(k.detach().cpu().float().numpy().tobytes() + v.detach().cpu().float().numpy().tobytes())
+            dp.release(self._key, ident)
+            self._cross[int(lay.block_table[r, 0])] = dp
+
+
+_VALIDATED: set[str] = set()
+
+
+def _validate_once(vllm_config) -> None:
+    """Plan and account the configured release at start-up (bad bounds, calibration or budget
+    fail here, before any request), once per process; logs the privacy statement."""
+    ident = raw_config_json(vllm_config)
+    if ident not in _VALIDATED:
+        logger.info("vllm-dp: DP attention on: %s", budget_payload(vllm_config))
+        _VALIDATED.add(ident)
+
+
+class DPCPUBuilder(DPBuilderMixin, CPUAttentionMetadataBuilder):
+    pass
+
+
+class DPCPUImpl(DPImplMixin, CPUAttentionBackendImpl):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._dp_init()
+
+    def _paged_kv(self, kv_cache: torch.Tensor, layer) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[nb, H, bs, d]`` views of K and V. The CPU cache is ``[nb, H, bs, 2d]`` viewed as
+        ``[nb, H, 2 bs, d]``: a K block then a V block per head; V rows are row-major, and the
+        ISA kernels may store each K block dimension-major (``[d, bs]``): probed once."""
+        num_blocks, heads, block_size, _ = kv_cache.shape
+        key, value = kv_cache.view(num_blocks, heads, block_size * 2, -1).chunk(2, dim=2)
+        d = key.shape[-1]
+        if _key_layout(layer.isa, kv_cache.dtype, block_size, d) == "dim_major":
+            key = key.reshape(num_blocks, heads, d, block_size).transpose(2, 3)
+        return key, value
+
+
+@functools.cache
+def _key_layout(isa: str, dtype: torch.dtype, block_size: int, head_dim: int) -> str:
+    """How ``cpu_attn_reshape_and_cache`` lays out a K block for ``isa``: write known rows into a
+    scratch cache and see which reading returns them ("rows" or "dim_major")."""
+    from vllm import _custom_ops as ops
+
+    cache = torch.zeros(2, 1, block_size * 2, head_dim, dtype=dtype)
+    key_cache, value_cache = cache.chunk(2, dim=2)
+    rows = torch.arange(block_size * head_dim, dtype=torch.float32).view(block_size, 1, head_dim).to(dtype)
+    slots = torch.arange(block_size, 2 * block_size)
+    ops.cpu_attn_reshape_and_cache(
+        rows, rows, key_cache, value_cache, slots, isa, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto"
+    )
+    block = key_cache[1, 0]  # [bs, d] of memory
+    if torch.equal(block, rows[:, 0]):
+        return "rows"
+    if torch.equal(block.reshape(head_dim, block_size).t(), rows[:, 0]):
+        return "dim_major"
+    raise NotImplementedError(f"unknown CPU K-cache layout for ISA {isa!r}: the DP path cannot read it")
+
+
+class DPCPUBackend(CPUAttentionBackend):
+    """``CPU_ATTN`` with the DP path (pass-through when ``dp_privacy.attention`` is absent)."""
+
+    @staticmethod
+    def get_impl_cls():
+        return DPCPUImpl
+
+    @staticmethod
+    def get_builder_cls():
+        return DPCPUBuilder

@@ -1,0 +1,23 @@
+"""What ``register()`` installs into vLLM (called in every vLLM process; idempotent)."""
+
+from __future__ import annotations
+
+from .settings import TOKENIZER_MODE
+
+CPU_BACKEND = "vllm_dp_plugin.serving.backend.DPCPUBackend"
+CUDA_BACKEND = "vllm_dp_plugin.serving.backend_cuda.DPTritonBackend"
+
+
+def install() -> None:
+    """Override ``CPU_ATTN`` (CPU ignores ``--attention-backend``), register ``CUSTOM`` (CUDA)
+    and the ``dp_private`` tokenizer mode. Each is a pass-through until ``dp_privacy`` is set."""
+    from vllm.renderers.registry import RENDERER_REGISTRY
+    from vllm.tokenizers.registry import TokenizerRegistry
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    register_backend(AttentionBackendEnum.CPU_ATTN, CPU_BACKEND)
+    register_backend(AttentionBackendEnum.CUSTOM, CUDA_BACKEND)
+    if TOKENIZER_MODE not in TokenizerRegistry.tokenizers:
+        TokenizerRegistry.register(TOKENIZER_MODE, "vllm.tokenizers.hf", "CachedHfTokenizer")
+    if TOKENIZER_MODE not in RENDERER_REGISTRY.renderers:
+        RENDERER_REGISTRY.register(TOKENIZER_MODE, "vllm_dp_plugin.serving.renderer", "DPRenderer")
