@@ -8,6 +8,8 @@ STAMP := $(VENV)/.installed-stamp
 EXTRAS ?= cpu,train,bench,dev
 DEMO_MODEL := .demo/llama
 MODEL ?= $(DEMO_MODEL)
+# DP attention over the bundled private context for the demo model; `make serve DP_CONFIG=` serves without DP.
+DP_CONFIG ?= $(if $(filter $(DEMO_MODEL),$(MODEL)),examples/serve-dp.yaml)
 HOST ?= 127.0.0.1
 PORT ?= 8000
 # On CPU this fraction of RAM is reserved for the KV cache; keep it small on a 2-core box.
@@ -37,11 +39,13 @@ demo-model: $(DEMO_MODEL)/config.json
 serve: $(STAMP) $(if $(filter $(DEMO_MODEL),$(MODEL)),$(DEMO_MODEL)/config.json)
 	@echo "Try: curl -s http://$(HOST):$(PORT)/v1/chat/completions -H 'Content-Type: application/json' \\"
 	@echo "       -d '{\"model\": \"$(MODEL)\", \"messages\": [{\"role\": \"user\", \"content\": \"Hello\"}], \"max_tokens\": 16}'"
-	$(VENV)/bin/vllm-dp serve $(MODEL) --host $(HOST) --port $(PORT) $(SERVE_FLAGS)
+	@echo "     curl -s http://$(HOST):$(PORT)/v1/dp/budget   # the privacy statement of the private context"
+	$(VENV)/bin/vllm-dp serve $(MODEL) $(if $(DP_CONFIG),--dp-config $(DP_CONFIG)) --host $(HOST) --port $(PORT) $(SERVE_FLAGS)
 
-# Every benchmark suite, results under benchmarks/results/ (attention: ~15 min on 2 CPU cores).
+# Every benchmark suite, results under benchmarks/results/ (attention ~15 min, serve ~25 min on 2 CPU cores).
 bench: $(STAMP)
 	$(VENV)/bin/vllm-dp bench attention
+	$(VENV)/bin/vllm-dp bench serve
 
 # Wheels for benchmarks/gpu/attention.sh on a CUDA box with only torch/triton (Python 3.12, no
 # network): dp-accounting and its small dependencies pinned to its ranges (numpy and scipy are

@@ -65,3 +65,24 @@ def test_account_command_bad_config_exits_2(tmp_path, capsys):
 def test_example_config_is_valid():
     cfg = DPPrivacyConfig.from_file("examples/dp.yaml")
     assert cfg.attention.releases() == 4
+
+
+@pytest.mark.parametrize(
+    "extra,match",
+    [
+        ({"bounds": {"key_bound": 1.0}}, r"bounds: missing required key\(s\) \['query_bound', 'value_bound'\]"),
+        ({"bounds": {"key_bound": 1, "query_bound": 1, "value_bound": -1}}, "bounds.value_bound must be > 0"),
+        ({"bounds": {"key_bound": 1, "query_bound": 1, "value_bound": 1, "k": 2}}, r"unknown key\(s\) \['k'\]"),
+        ({"calibration": "c.json", "bounds": {"key_bound": 1, "query_bound": 1, "value_bound": 1}}, "not both"),
+        ({"epsilon": 1e4}, "beyond what pld accounting handles"),
+        ({"features": "fourier"}, "attention.features"),
+    ],
+)
+def test_serving_keys_are_validated(extra, match):
+    with pytest.raises(ConfigError, match=match):
+        DPPrivacyConfig.from_dict({"attention": {**GOOD["attention"], **extra}})
+
+
+def test_huge_epsilon_is_fine_with_basic_composition():
+    cfg = DPPrivacyConfig.from_dict({"attention": {**GOOD["attention"], "epsilon": 1e6, "composition": "basic"}})
+    assert cfg.attention.epsilon == 1e6

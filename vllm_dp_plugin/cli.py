@@ -6,6 +6,7 @@
     vllm-dp make-demo-model DIR                 tiny random Llama + locally trained tokenizer
     vllm-dp account --config FILE               the privacy budget a configuration spends
     vllm-dp bench attention [options]           DP attention vs exact attention benchmark
+    vllm-dp bench serve [options]               serving throughput/latency with DP on and off
 """
 
 from __future__ import annotations
@@ -60,6 +61,13 @@ def build_parser() -> argparse.ArgumentParser:
         add_help=False,
     )
     attention.set_defaults(handler=_bench_attention)
+    serve_bench = suites.add_parser(
+        "serve",
+        help="vLLM bench throughput/serve: stock vs plugin loaded vs DP state/tree",
+        description="Options are parsed by the suite (see `vllm-dp bench serve --help`).",
+        add_help=False,
+    )
+    serve_bench.set_defaults(handler=_bench_serve)
     return parser
 
 
@@ -105,6 +113,12 @@ def _account(args: argparse.Namespace, rest: list[str]) -> int:
 
 def _bench_attention(args: argparse.Namespace, rest: list[str]) -> int:
     from .benchmarks.attention import main as bench_main
+
+    return bench_main(rest)
+
+
+def _bench_serve(args: argparse.Namespace, rest: list[str]) -> int:
+    from .benchmarks.serve import main as bench_main
 
     return bench_main(rest)
 

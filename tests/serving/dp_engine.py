@@ -3,8 +3,10 @@
 A script (CPU vLLM forces spawn, hence the __main__ guard) driven by a JSON job:
 ``{"model", "llm": {extra LLM kwargs}, "steps": [...]}`` where a step is
 ``{"prompts": [str | [ids]], "max_tokens": n}`` (greedy generation; result: token ids),
-``{"chat": [[messages]], "max_tokens": n}`` or ``{"poison_private_kv": true}`` (overwrite, on
-every worker, the cache rows the DP backend collected as private with NaN).
+``{"chat": [[messages]], "max_tokens": n}``, ``{"audio_hz": [440.0, ...], "max_tokens": n}``
+(Whisper: 1 s sine clips), ``{"poison_private_kv": true}`` (overwrite, on every worker, the
+cache rows the DP backend collected as private with NaN) or ``{"cross_releases": true}``
+(per worker: the DP cross-attention releases each layer holds).
 """
 
 import json
@@ -30,13 +32,39 @@ def poison_private_rows(worker) -> int:
     return poisoned
 
 
+def cross_releases(worker) -> dict:
+    """Layer name -> number of per-request DP releases its cross-attention impl holds."""
+    return {
+        name: len(module.impl._cross)
+        for name, module in worker.model_runner.model.named_modules()
+        if hasattr(getattr(module, "impl", None), "_cross")
+    }
+
+
+def whisper_prompts(frequencies):
+    import numpy as np
+
+    t = np.arange(16000, dtype=np.float64) / 16000
+    decoder = "<|startoftranscript|><|en|><|transcribe|><|notimestamps|>"
+    return [
+        {"encoder_prompt": {"prompt": "", "multi_modal_data": {
+            "audio": ((0.5 * np.sin(2 * np.pi * hz * t)).astype(np.float32), 16000)}},
+         "decoder_prompt": decoder}
+        for hz in frequencies
+    ]
+
+
 def run_step(llm, step):
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=step.get("max_tokens", 8))
     if step.get("poison_private_kv"):
         return {"poisoned": llm.collective_rpc(poison_private_rows)}
-    if "chat" in step:
+    if step.get("cross_releases"):
+        return {"cross_releases": llm.collective_rpc(cross_releases)}
+    if "audio_hz" in step:
+        outputs = llm.generate(whisper_prompts(step["audio_hz"]), params)
+    elif "chat" in step:
         outputs = llm.chat(step["chat"], params)
     else:
         prompts = [{"prompt_token_ids": p} if isinstance(p, list) else p for p in step["prompts"]]

