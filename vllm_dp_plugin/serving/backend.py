@@ -9,8 +9,8 @@ Decoder-only models (private context at positions [0, P) of every request):
 * ``do_kv_cache_update`` writes the cache as usual and hands rows at positions < P to the
   layer's ``PrivateContextLayer``; when all P rows are present it releases once, with keyed noise.
 * ``forward`` answers a query at position p >= P as merge(DP part over [0, P), exact part over
-  [P, p]) and never reads cache rows < P for it; queries at private positions (the prefix's own
-  prefill) attend exactly, as they compute the private K/V themselves.
+  [P, p]), computed from cache rows >= P only; queries at private positions (the prefix's own
+  prefill) attend exactly with the parent's kernel, as they compute the private K/V themselves.
 Encoder-decoder models (Whisper): each request's encoder K/V are released when first written
 (they are not stored in the cache at all) and every cross-attention query reads only the release.
 """
@@ -131,18 +131,18 @@ class DPImplMixin:
         lay, length = attn_metadata.dp_layout, self._context.length
         n = lay.positions.shape[0]
         q, pos, req = query[:n], lay.positions, lay.request_of_tokens()
-        out = torch.empty(n, self.num_heads, self.head_size, dtype=torch.float64, device=q.device)
-        private = pos < length
-        if bool(private.any()):  # the private prefix's own prefill: exact, causal, from row 0
-            part = self._exact(q, pos, req, private, key_cache, value_cache, lay, 0)
-            out[private.to(q.device)] = part.out.transpose(0, 1).double()
-        public = ~private
+        public = pos >= length
+        if not bool(public.all()):
+            # The context's own prefill (once per context with prefix caching): the parent's
+            # kernel gives the exact causal attention its private queries need. Rows of public
+            # tokens in this batch are overwritten below before anything reads them.
+            super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
         if bool(public.any()):  # DP over [0, P) merged with exact over [P, p]
             exact = self._exact(q, pos, req, public, key_cache, value_cache, lay, length)
             dp = self._private_layer(layer).answer(q[public.to(q.device)])
             merged = merge_parts(dp, AttentionPart(exact.out.double(), exact.lse.double()))
-            out[public.to(q.device)] = merged.out.transpose(0, 1)
-        output[:n] = out.to(output.dtype).view(output[:n].shape)
+            rows = output[:n].view(n, self.num_heads, self.head_size)
+            rows[public.to(q.device)] = merged.out.transpose(0, 1).to(output.dtype)
         return output
 
     def _exact(self, q, pos, req, tokens, key_cache, value_cache, lay, first_row: int) -> AttentionPart:
