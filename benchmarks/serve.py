@@ -56,6 +56,7 @@ class Settings:
     configs: tuple[str, ...] = ("stock", "plugin_off", "dp_state", "dp_tree")
     latency: bool = True
     epsilon: float = 8.0
+    degree: int | None = 2  # Taylor degree of dp_state (None: the kernel_error rule)
 
 
 @dataclass
@@ -85,12 +86,26 @@ def private_context_file(tokenizer_dir: str, tokens: int, path: Path) -> Path:
     return path
 
 
-def dp_config(mode: str, context: Path, calibration: Path, key: Path, epsilon: float) -> dict:
-    attention = {"mode": mode, "epsilon": epsilon, "delta": 1e-6, "calibration": str(calibration),
+def dp_config(mode: str, context: Path, calibration: Path, key: Path, s: Settings) -> dict:
+    attention = {"mode": mode, "epsilon": s.epsilon, "delta": 1e-6, "calibration": str(calibration),
                  "private_context": str(context)}
-    if mode == "tree":
-        attention["degree"] = 1  # r = d + 1 features: the tree table stays small
+    degree = 1 if mode == "tree" else s.degree  # tree: r = d + 1 features keep the table small
+    if degree is not None:
+        attention["degree"] = degree
     return {"dp_privacy": {"key_file": str(key), "attention": attention}}
+
+
+def kernel_errors(s: Settings, calibration: Path) -> list[float]:
+    """The guaranteed relative kernel error of dp_state's Taylor map, per layer (public)."""
+    from vllm_dp_plugin.attention.plan import ContextPlan
+    from vllm_dp_plugin.config import DPPrivacyConfig
+
+    cfg = DPPrivacyConfig.from_dict(dp_config("state", Path("-"), calibration, Path("-"), s)["dp_privacy"]).attention
+    hf = json.loads((Path(s.model) / "config.json").read_text())
+    layers, head_dim = hf["num_hidden_layers"], hf["head_dim"]
+    plan = ContextPlan(cfg, "self_attention", layers, hf["num_key_value_heads"], hf["num_attention_heads"],
+                       head_dim, head_dim**-0.5, 1)
+    return [plan.kernel_error(i) for i in range(layers)]
 
 
 def config_env(config: str) -> dict:
@@ -109,7 +124,7 @@ def config_flags(config: str, prefix_len: int, work: Path, s: Settings) -> list[
     context = work / f"context-{prefix_len}.txt"
     if not context.exists():
         private_context_file(s.model, prefix_len, context)
-    cfg = dp_config(config[3:], context, work / "calibration.json", work / "noise.key", s.epsilon)
+    cfg = dp_config(config[3:], context, work / "calibration.json", work / "noise.key", s)
     return ["--tokenizer-mode", "dp_private", "--additional-config", json.dumps(cfg)]
 
 

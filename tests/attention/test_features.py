@@ -32,6 +32,18 @@ def test_taylor_features_reproduce_the_truncated_exp_series(dim, degree, beta):
     assert torch.allclose(kernel, expected, rtol=0, atol=1e-12 * expected.abs().max())
 
 
+@pytest.mark.parametrize("dim,degree", [(3, 0), (3, 1), (5, 2), (3, 3)])
+def test_tensor_powers_against_expanded_rows_equal_the_monomial_contraction(dim, degree):
+    """The degree <= 2 query path: [1, x, x (x) x] @ expand_rows(S) == P(x) @ S for any S."""
+    features = TaylorFeatures(dim, degree, 0.6)
+    g = torch.Generator().manual_seed(dim + degree)
+    rows = torch.randn(2, features.dim, 4, generator=g, dtype=torch.float64)
+    x = torch.randn(2, 6, dim, generator=g, dtype=torch.float64)
+    expanded = features.expand_rows(rows)
+    assert expanded.shape == (2, sum(dim**j for j in range(degree + 1)), 4)
+    torch.testing.assert_close(torch.bmm(features.tensor_powers(x), expanded), torch.bmm(features(x), rows))
+
+
 def test_lemma_g5_relative_error_holds_on_a_grid_including_corners():
     dim, bound = 2, 1.0
     degree = taylor_degree(1.0 / dim * dim * bound**2, 0.1, signed=False)

@@ -37,21 +37,38 @@ def _dense(q, q_pos, k, v, start, scale):
     return torch.einsum("hml,lhd->hmd", logits.softmax(-1), v.repeat_interleave(H_Q // H_KV, 1))
 
 
-def test_gather_spans_reads_exactly_the_spans_and_zero_pads():
+def test_gather_spans_returns_the_spans_by_position_and_zeroes_everything_else():
     keys, values, table, rows = _cache([11, 6])
-    spans = gather_spans(keys, values, table, torch.tensor([3, 2]), torch.tensor([11, 6]))
-    assert torch.equal(spans.k[0], rows[0][0][3:])
-    assert torch.equal(spans.k[1, :4], rows[1][0][2:]) and not spans.k[1, 4:].any()
-    assert spans.valid.tolist() == [[True] * 8, [True] * 4 + [False] * 4]
-    assert not torch.isnan(spans.v).any()  # NaN rows outside the spans were never read
+    spans = gather_spans(keys, values, table, torch.tensor([3, 5]), torch.tensor([11, 6]))
+    assert spans.start.tolist() == [0, 4]  # block-aligned: row i is position start + i
+    assert spans.valid.tolist() == [[False] * 3 + [True] * 8 + [False], [False, True] + [False] * 10]
+    for r, (first, last) in enumerate([(3, 11), (5, 6)]):
+        k, v = spans.k[r].transpose(0, 1), spans.v[r].transpose(0, 1)  # [L, H, d]
+        assert torch.equal(k[spans.valid[r]], rows[r][0][first:last])
+        assert torch.equal(v[spans.valid[r]], rows[r][1][first:last])
+        assert not k[~spans.valid[r]].any() and not v[~spans.valid[r]].any()
+
+
+def test_rows_outside_the_spans_never_reach_the_output():
+    """Poison every cache row outside the spans (private rows of a shared block, rows past the
+    end, other blocks): the exact part must not change."""
+    keys, values, table, _ = _cache([10], seed=5)
+    q, q_pos, span = torch.randn(2, H_Q, D, generator=torch.Generator().manual_seed(6)), torch.tensor([8, 9]), torch.zeros(2, dtype=torch.long)
+    clean = causal_part(q, q_pos, span, gather_spans(keys, values, table, torch.tensor([3]), torch.tensor([9])), 0.5)
+    pos = torch.tensor([0, 1, 2, 9])  # private rows in the first block and the row past the end
+    keys[table[0, pos // BS], :, pos % BS] = float("nan")
+    values[table[0, pos // BS], :, pos % BS] = float("nan")
+    poisoned = causal_part(q, q_pos, span, gather_spans(keys, values, table, torch.tensor([3]), torch.tensor([9])), 0.5)
+    assert torch.equal(poisoned.out, clean.out) and torch.equal(poisoned.lse, clean.lse)
 
 
 @pytest.mark.parametrize("chunk_elements", [1 << 24, 1])  # one chunk, one token per chunk
-def test_causal_part_equals_dense_attention_per_request(monkeypatch, chunk_elements):
+@pytest.mark.parametrize("q_span", [[0, 0, 1, 1], [0, 1, 1, 1], [1, 0, 0, 1]])  # even, ragged, unsorted
+def test_causal_part_equals_dense_attention_per_request(monkeypatch, chunk_elements, q_span):
     monkeypatch.setattr(paged, "CHUNK_ELEMENTS", chunk_elements)
     keys, values, table, rows = _cache([9, 7], seed=1)
     g = torch.Generator().manual_seed(2)
-    q, q_pos, q_span = torch.randn(4, H_Q, D, generator=g), torch.tensor([4, 8, 5, 6]), torch.tensor([0, 0, 1, 1])
+    q, q_pos, q_span = torch.randn(4, H_Q, D, generator=g), torch.tensor([4, 6, 5, 6]), torch.tensor(q_span)
     spans = gather_spans(keys, values, table, torch.tensor([0, 0]), torch.tensor([9, 7]))
     part = causal_part(q, q_pos, q_span, spans, 0.7)
     for t in range(4):

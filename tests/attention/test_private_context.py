@@ -1,6 +1,8 @@
 """Serving's per-layer release of a private context: rows by position, released once with keyed
 noise, identical across restarts and tensor-parallel layouts, and nothing exact kept."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -59,12 +61,18 @@ def test_rows_arrive_by_position_in_any_order_and_duplicates_count_once(key):
     torch.testing.assert_close(dp.answer(_query()).out, _released(key, k, v).answer(_query()).out)
 
 
-def test_each_head_is_a_keyed_dpcrossattention_over_its_rows(key):
+@pytest.mark.parametrize("mode", ["state", "tree", "reference"])
+def test_each_head_is_a_keyed_dpcrossattention_over_its_rows(key, mode):
+    """All local heads are answered in one batch; head g equals a one-head DPCrossAttention
+    released with the generator of (context, layer, g) alone."""
+    params = dataclasses.replace(PARAMS, mode=mode, degree=2 if mode == "state" else 1)
     k, v = _rows()
-    dp = _released(key, k, v, layer=1)
+    dp = PrivateContextLayer(params, MAPPING, 1, ALL_HEADS, D, N, budget_heads=2 * H_KV)
+    dp.collect(torch.arange(N), k, v)
+    dp.release(key, CONTEXT)
     q = _query()
     for g in range(H_KV):
-        ref = DPCrossAttention(PARAMS, _head(MAPPING, g), 1, D, D, H_Q // H_KV, budget_heads=2 * H_KV)
+        ref = DPCrossAttention(params, _head(MAPPING, g), 1, D, D, H_Q // H_KV, budget_heads=2 * H_KV)
         ref.build(k[:, g][None].double(), v[:, g][None].double(), key.generator(CONTEXT, noise_stream(1, g)))
         expected = ref.query_parts(q[:, 2 * g : 2 * g + 2].transpose(0, 1)).part()
         torch.testing.assert_close(dp.answer(q).out[2 * g : 2 * g + 2], expected.out)

@@ -27,7 +27,8 @@ from .features import FeatureMap, RandomFeatures, TaylorFeatures, taylor_degree,
 from .mapping import HeadMapping, assert_same_heads
 from .merge import AttentionPart, private_part
 from .params import DPAttentionParams
-from .state import KernelStateBuilder
+from .state import HeadGenerators, KernelStateBuilder, NoisyKernelState
+from .tree import TreeRelease
 from .tree_spec import TreeSpec, make_tree_spec
 
 
@@ -66,6 +67,10 @@ def make_feature_map(params: DPAttentionParams, mapping: HeadMapping, head_dim: 
     return TaylorFeatures(head_dim, degree, mapping.beta)
 
 
+TENSOR_POWER_DEGREE = 2  # state-mode Taylor queries up to this degree: one broadcast product,
+# no gathers (E = 1 + d + d^2 columns vs r = binom(d + 2, 2); gathers cost more on CPU and GPU)
+
+
 class DPCrossAttention:
     """DP attention of all heads of one layer over one private context.
 
@@ -99,6 +104,7 @@ class DPCrossAttention:
         self._state: KernelStateBuilder | None = None  # state mode: created on K/V's device
         self.rows = 0
         self._release = None
+        self._query_path = None  # (query feature map, release re-indexed for it), if not the plain one
         self._account: AttentionAccount | None = None
 
     # ------------------------------------------------------------------ build
@@ -125,16 +131,22 @@ class DPCrossAttention:
             self._chunks.append((pk, weights))
         self.rows += k.shape[1]
 
-    def finalize(self, generator: torch.Generator | None = None) -> DPCrossAttention:
-        """Draw the noise once and drop every exact quantity. ``generator`` defaults to a fresh
-        secret seed; serving passes the keyed generator of the context."""
+    def finalize(self, generator: HeadGenerators | None = None) -> DPCrossAttention:
+        """Draw the noise once and drop every exact quantity. ``generator``: one for all KV
+        heads, or one per KV head (serving keys each by its global head, so every
+        tensor-parallel split releases the same noise); defaults to a fresh secret seed."""
         if self.rows == 0:
             raise ValueError("the private context is empty: call add(K, V) first")
         generator = generator or torch.Generator().manual_seed(secrets.randbits(63))
+        if not isinstance(generator, torch.Generator) and len(generator) != self.kv_heads:
+            raise ValueError(f"{len(generator)} generators for {self.kv_heads} KV heads")
         mechanism = self.planned_mechanism(self.rows)
         if self.params.mode == "state":
             self._release = self._state.release(mechanism, generator)
             self._state = None
+            if isinstance(self.features, TaylorFeatures) and self.features.degree <= TENSOR_POWER_DEGREE:
+                expanded = self.features.expand_rows(self._release.state)  # post-processing
+                self._query_path = (self.features.tensor_powers, NoisyKernelState(expanded, self.rows))
         else:
             self._check_tree_memory(self.rows)
             pk = torch.cat([c[0] for c in self._chunks], dim=1)
@@ -145,7 +157,7 @@ class DPCrossAttention:
         self._account = AttentionAccount(mechanism, self.kv_heads, self.params.composition)
         return self
 
-    def build(self, k: torch.Tensor, v: torch.Tensor, generator: torch.Generator | None = None) -> DPCrossAttention:
+    def build(self, k: torch.Tensor, v: torch.Tensor, generator: HeadGenerators | None = None) -> DPCrossAttention:
         """``add(k, v)`` then ``finalize(generator)``."""
         self.add(k, v)
         return self.finalize(generator)
@@ -188,8 +200,6 @@ class DPCrossAttention:
 
     def tree_table_bytes(self, n: int) -> int:
         """Bytes the tree mode's release (fp32 path-sum table) needs for ``n`` rows."""
-        from .tree import TreeRelease
-
         return TreeRelease.planned_nbytes(self.tree_spec(n), self.kv_heads)
 
     def _check_tree_memory(self, n: int) -> None:
@@ -201,19 +211,20 @@ class DPCrossAttention:
                 "mode='state', a lower degree, or raise the limit"
             )
 
-    def _build_tree(self, pk: torch.Tensor, weights: torch.Tensor, generator: torch.Generator):
+    def _build_tree(self, pk: torch.Tensor, weights: torch.Tensor, generator: HeadGenerators):
+        if not isinstance(generator, torch.Generator):  # one generator per head: head by head
+            heads = [self._build_tree(pk[h : h + 1], weights[h : h + 1], g) for h, g in enumerate(generator)]
+            return TreeRelease.stack(heads) if self.params.mode == "tree" else _PerHead.stack(heads)
         n = pk.shape[1]
         spec = self.tree_spec(n)
         if self.params.mode == "tree":
-            from .tree import TreeRelease
-
             return TreeRelease.build(pk, weights, spec, generator)
         from .reference import DPCrossAttentionReference, reference_arguments
 
         arguments = reference_arguments(spec, self._tree_budget(n), self.params.tree, self.mapping.value_bound)
         heads = [
             DPCrossAttentionReference(pk[h], weights[h, :, :-1], **arguments, generator=generator)
-            for h in range(self.kv_heads)
+            for h in range(pk.shape[0])
         ]
         return _PerHead(heads)
 
@@ -227,8 +238,9 @@ class DPCrossAttention:
         mapped = self.mapping.queries(q)  # [H_q, m, d]
         kv_head = torch.arange(self.query_heads) // groups
         dtype = getattr(torch, self.params.query_dtype) if self.params.mode == "state" else torch.float64
-        pq = self.features(mapped, dtype).reshape(self.kv_heads, groups * m, -1)  # [H_kv, G m, F]
-        ans = self._release.answer(pq).to(torch.float64).reshape(self.query_heads, m, self.value_dim + 1)
+        features, release = self._query_path or (self.features, self._release)
+        pq = features(mapped, dtype).reshape(self.kv_heads, groups * m, -1)  # [H_kv, G m, F]
+        ans = release.answer(pq).to(torch.float64).reshape(self.query_heads, m, self.value_dim + 1)
         num, den = ans[..., :-1], ans[..., -1]
         if self.params.clamp:
             den, num = self._clamped(den, num)
@@ -271,6 +283,10 @@ class _PerHead:
 
     def __init__(self, heads: list):
         self.heads = heads
+
+    @staticmethod
+    def stack(parts: list[_PerHead]) -> _PerHead:
+        return _PerHead([head for part in parts for head in part.heads])
 
     def answer(self, pq: torch.Tensor) -> torch.Tensor:
         return torch.stack([head.answer(pq[h]) for h, head in enumerate(self.heads)])

@@ -13,6 +13,7 @@ public input bounds only: ``coord_bound`` (|x_i| <= R) and ``norm_bound`` (||x||
 
 from __future__ import annotations
 
+import itertools
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -117,6 +118,7 @@ class TaylorFeatures(FeatureMap):
     factor: torch.Tensor = field(init=False, repr=False)
     coef: torch.Tensor = field(init=False, repr=False)
     order: torch.Tensor = field(init=False, repr=False)
+    _cache: dict = field(init=False, repr=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         check_count(self.dim_in, "feature input dim")
@@ -156,11 +158,54 @@ class TaylorFeatures(FeatureMap):
         rows = x.to(dtype).reshape(-1, self.dim_in).T.contiguous()  # [d, tokens]
         out = rows.new_empty(self.dim, rows.shape[1])
         out[0] = 1.0
-        for block in self.blocks[1:]:
-            parent, factor = self.parent[block].to(x.device), self.factor[block].to(x.device)
-            out[block] = out[parent] * rows[factor]
-        out *= self.coef.to(rows)[:, None]
+        steps, coef = self._on(rows.device, dtype)
+        for block, parent, factor in steps:
+            torch.mul(out.index_select(0, parent), rows.index_select(0, factor), out=out[block])
+        out *= coef
         return out.T.reshape(*x.shape[:-1], self.dim)
+
+    def _on(self, device: torch.device, dtype: torch.dtype) -> tuple[list, torch.Tensor]:
+        """The per-degree (slice, parent, factor) index tensors and ``coef: [r, 1]`` on
+        ``device`` in ``dtype``, built once per (device, dtype) (queries run every step)."""
+        key = (device, dtype)
+        if key not in self._cache:
+            steps = [(b, self.parent[b].to(device), self.factor[b].to(device)) for b in self.blocks[1:]]
+            self._cache[key] = (steps, self.coef.to(device, dtype)[:, None])
+        return self._cache[key]
+
+    def tensor_powers(self, x: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+        """``[1, x, x (x) x, ...]``: [..., d] -> [..., E] with ``E = sum_j d^j`` (j <= degree), every
+        ordered index tuple once and no coefficients. Pairs with ``expand_rows``: the query path
+        of degree <= 2, where one broadcast product beats gathering ``r`` monomials."""
+        shape, d = x.shape[:-1], self.dim_in
+        x = x.to(dtype).reshape(-1, d)  # [t, d]
+        out = x.new_empty(x.shape[0], sum(d**j for j in range(self.degree + 1)))
+        out[:, 0] = 1.0
+        lo = 1
+        for j in range(1, self.degree + 1):  # block j = block j-1 (x) x, written in place
+            block = out[:, lo : lo + d**j].view(-1, d ** (j - 1), d)
+            previous = out[:, lo - d ** (j - 1) : lo]
+            torch.mul(previous[:, :, None], x[:, None, :], out=block)
+            lo += d**j
+        return out.view(*shape, -1)
+
+    def expand_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """``rows: [H, r, W]`` (a release, indexed by monomial) -> ``[H, E, W]`` with
+        ``tensor_powers(x) @ out == self(x) @ rows`` exactly: the row of ordered tuple ``t`` with
+        multiset ``alpha`` is ``coef_alpha rows_alpha / (|alpha|! / alpha!)``. Post-processing."""
+        tuples = self._tuple_monomials()  # [E]
+        multiplicity = torch.bincount(tuples, minlength=self.dim).to(torch.float64)  # |alpha|!/alpha!
+        weight = (self.coef / multiplicity).to(rows)
+        return (rows * weight[:, None]).index_select(1, tuples.to(rows.device))
+
+    def _tuple_monomials(self) -> torch.Tensor:
+        """``[E]``: the monomial of every ordered index tuple, in ``tensor_powers`` order."""
+        factors = [()]  # factors[f]: monomial f's sorted factor tuple
+        for f in range(1, self.dim):
+            factors.append((*factors[int(self.parent[f])], int(self.factor[f])))
+        index = {t: f for f, t in enumerate(factors)}
+        ordered = (t for j in range(self.degree + 1) for t in itertools.product(range(self.dim_in), repeat=j))
+        return torch.tensor([index[tuple(sorted(t))] for t in ordered], dtype=torch.long)
 
     def coordinate_bounds(self, bounds: InputBounds) -> torch.Tensor:
         """Gamma_alpha = coef_alpha * R^|alpha| (tight per-coordinate range, spec 4.2)."""

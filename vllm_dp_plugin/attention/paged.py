@@ -1,9 +1,10 @@
 """Exact attention over spans of a paged KV cache, returned as a mergeable part.
 
 Serving answers a public token's attention as (DP part over the private rows) merged with
-(exact part over the public rows). This module is the exact half: it gathers only the rows of
-the spans it is given, so the private rows of the cache are never read for a public query.
-Batched over requests (one gather, chunked einsums), so a decode step costs a few tensor ops.
+(exact part over the public rows). This module is the exact half: it copies the blocks holding
+the spans it is given and zeroes every row outside them, so the private rows of the cache never
+enter a public query's arithmetic. Batched over requests (one block gather per cache, chunked
+matmuls), so a decode step costs a few tensor ops.
 
 Cache layout (vLLM's head-major ``LBHNC``): ``key_cache, value_cache: [num_blocks, H_kv,
 block_size, d]``; a request's row at position ``p`` lives in block ``block_table[p // bs]`` at
@@ -18,7 +19,7 @@ import torch
 
 from .merge import AttentionPart
 
-CHUNK_ELEMENTS = 1 << 24  # cap on one chunk's [m, L, H_q, d] key expansion (64 MiB in fp32)
+CHUNK_ELEMENTS = 1 << 24  # cap on one chunk's [c, H_q, L, d]-sized intermediates (64 MiB in fp32)
 
 
 @dataclass(frozen=True)
@@ -50,8 +51,9 @@ class BatchLayout:
 
 @dataclass(frozen=True)
 class Spans:
-    """Rows ``[start_r, end_r)`` of requests ``r``: ``k, v: [R, L, H_kv, d]`` (zero-padded),
-    ``valid: [R, L]``, ``start: [R]``."""
+    """Rows of requests ``r`` gathered block by block: ``k, v: [R, H_kv, L, d]`` where row ``i``
+    of request ``r`` is position ``start_r + i`` (``start`` is block-aligned); ``valid: [R, L]``
+    marks the requested span, and every row outside it is zero."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -66,21 +68,33 @@ def gather_spans(
     start: torch.Tensor,
     end: torch.Tensor,
 ) -> Spans:
-    """Rows ``[start_r, end_r)`` of each request (``block_table: [R, max_blocks]``). Padding
-    re-reads row ``start_r`` (inside the span) and is zeroed: nothing outside a span is read."""
-    block_size = key_cache.shape[2]
-    length = int((end - start).max()) if start.numel() else 0
-    offsets = torch.arange(length)
-    pos = start[:, None] + offsets[None, :]  # [R, L]
-    valid = pos < end[:, None]
-    pos = torch.where(valid, pos, start[:, None])
+    """Rows ``[start_r, end_r)`` of each request (``block_table: [R, max_blocks]``, ``start``,
+    ``end``: [R] positions). Copies the (block, head) slabs holding the spans, one
+    ``index_select`` per cache, straight into ``[R, H, L, d]`` order, then overwrites every row
+    outside ``[start_r, end_r)`` with zeros, so rows outside a span (e.g. private rows sharing
+    the span's first block, stale rows past its end) never reach any arithmetic."""
+    block_size, heads = key_cache.shape[2], key_cache.shape[1]
+    requests = start.shape[0]
+    first, last = start // block_size, (end - 1) // block_size  # [R] block columns
+    num_blocks = int((last - first).max()) + 1 if requests else 0
+    column = torch.minimum(first[:, None] + torch.arange(num_blocks), last[:, None])  # [R, nb]
     table = block_table.to(key_cache.device)
-    blocks = torch.gather(table, 1, (pos // block_size).to(table.device)).to(key_cache.device)
-    rows = (pos % block_size).to(key_cache.device)
-    mask = valid.to(key_cache.device)[..., None, None]
-    k = torch.where(mask, key_cache[blocks, :, rows], 0)  # [R, L, H, d]
-    v = torch.where(mask, value_cache[blocks, :, rows], 0)
-    return Spans(k, v, valid, start)
+    blocks = torch.gather(table, 1, column.to(table.device)).long().cpu()  # [R, nb]
+    slabs = (blocks[:, None, :] * heads + torch.arange(heads)[None, :, None]).flatten()  # [R H nb]
+    slabs = slabs.to(key_cache.device)
+    row_pos = first[:, None] * block_size + torch.arange(num_blocks * block_size)  # [R, L]
+    valid = (row_pos >= start[:, None]) & (row_pos < end[:, None])
+    outside = (~valid)[:, None, :].expand(requests, heads, -1).flatten().nonzero().squeeze(1)
+    outside = outside.to(key_cache.device)  # flat row indices of [R, H, L]
+
+    def rows(cache: torch.Tensor) -> torch.Tensor:  # [R, H, L, d], zero outside the spans
+        dim = cache.shape[3]
+        slab_view = cache.view(-1, block_size, dim)  # [num_blocks H, bs, d]; a view, never a copy
+        picked = slab_view.index_select(0, slabs)  # [R H nb, bs, d]
+        picked.view(-1, dim).index_fill_(0, outside, 0.0)  # a fresh copy: the cache is untouched
+        return picked.view(requests, heads, num_blocks * block_size, dim)
+
+    return Spans(rows(key_cache), rows(value_cache), valid, first * block_size)
 
 
 def causal_part(
@@ -89,21 +103,53 @@ def causal_part(
     """Softmax attention of ``q: [m, H_q, d]`` (positions ``q_pos: [m]``) over its span
     ``spans[q_span]``, each query seeing the span's rows at positions <= its own (GQA: query
     head h reads KV head h // (H_q / H_kv)). Float32; ``out: [H_q, m, d_v]``, ``lse: [H_q, m]``.
-    Every query must see >= 1 row."""
+    Every query must see >= 1 row.
+
+    Queries are grouped per span (``[R, M, H_q, d]``, M = most queries of one span, zero-padded)
+    so each span's keys are multiplied in place, never copied per query; chunked over M."""
     m, heads, d = q.shape
-    groups = heads // spans.k.shape[2]
-    length = spans.k.shape[1]
-    chunk = max(1, CHUNK_ELEMENTS // max(1, length * heads * d))
+    spans_n, kv_heads, length, _ = spans.k.shape
+    groups = heads // kv_heads
+    counts = torch.bincount(q_span, minlength=spans_n)
+    most = int(counts.max())
+    if bool((counts == most).all()) and bool((q_span[1:] >= q_span[:-1]).all()):
+        slot = None  # every span has `most` queries, in order (decode: one each): a plain view
+        padded, pos = q.float().view(spans_n, most, heads, d), q_pos.long().view(spans_n, most)
+    else:
+        slot = _slots(q_span, counts)  # [m]: the query's index within its span
+        padded = q.new_zeros(spans_n, most, heads, d, dtype=torch.float32)
+        padded[q_span, slot] = q.float()
+        pos = torch.full((spans_n, most), -1, dtype=torch.long)  # padding sees nothing
+        pos[q_span, slot] = q_pos.long()
+    k_pos = spans.start[:, None] + torch.arange(length)  # [R, L]
+    k_t, v = spans.k.float().transpose(-1, -2), spans.v.float()  # [R, H_kv, d, L], [R, H_kv, L, d]
+    chunk = max(1, CHUNK_ELEMENTS // max(1, spans_n * heads * length))
     outs, lses = [], []
-    for lo in range(0, m, chunk):
-        sl = slice(lo, lo + chunk)
-        span = q_span[sl]
-        k = spans.k[span].float().repeat_interleave(groups, dim=2)  # [c, L, H_q, d]
-        v = spans.v[span].float().repeat_interleave(groups, dim=2)
-        logits = scale * torch.einsum("chd,clhd->hcl", q[sl].float(), k)
-        k_pos = spans.start[span][:, None] + torch.arange(length)[None, :]  # [c, L]
-        visible = spans.valid[span] & (k_pos <= q_pos[sl][:, None])
-        logits = logits.masked_fill(~visible.to(logits.device), float("-inf"))
-        lses.append(torch.logsumexp(logits, dim=-1))
-        outs.append(torch.einsum("hcl,clhd->hcd", torch.softmax(logits, dim=-1), v))
-    return AttentionPart(torch.cat(outs, dim=1), torch.cat(lses, dim=1))
+    for lo in range(0, most, chunk):
+        qc = padded[:, lo : lo + chunk]  # [R, c, H_q, d]
+        c = qc.shape[1]
+        qc = qc.view(spans_n, c, kv_heads, groups, d).permute(0, 2, 1, 3, 4).reshape(spans_n, kv_heads, c * groups, d)
+        logits = scale * (qc @ k_t)  # [R, H_kv, c G, L]
+        visible = spans.valid[:, None, :] & (k_pos[:, None, :] <= pos[:, lo : lo + chunk, None])  # [R, c, L]
+        bias = torch.where(visible, 0.0, float("-inf")).to(logits.device)
+        logits = logits + bias.repeat_interleave(groups, dim=1)[:, None]  # [R, 1, c G, L]
+        lse = torch.logsumexp(logits, dim=-1)  # [R, H_kv, c G]
+        out = torch.exp(logits - lse[..., None]) @ v  # [R, H_kv, c G, d]
+        outs.append(out.view(spans_n, kv_heads, c, groups, d).permute(0, 2, 1, 3, 4).reshape(spans_n, c, heads, d))
+        lses.append(lse.view(spans_n, kv_heads, c, groups).permute(0, 2, 1, 3).reshape(spans_n, c, heads))
+    out, lse = torch.cat(outs, dim=1), torch.cat(lses, dim=1)  # [R, M, H_q, *]
+    if slot is None:
+        out, lse = out.view(m, heads, d), lse.view(m, heads)
+    else:
+        out, lse = out[q_span, slot], lse[q_span, slot]
+    return AttentionPart(out.transpose(0, 1), lse.transpose(0, 1))
+
+
+def _slots(q_span: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """``[m]``: for each query, how many earlier queries (in batch order) share its span
+    (``counts: [R]`` queries per span)."""
+    order = torch.argsort(q_span, stable=True)
+    first = torch.cumsum(counts, 0) - counts  # [R] offset of each span's queries in `order`
+    slot = torch.empty_like(q_span)
+    slot[order] = torch.arange(q_span.shape[0]) - first[q_span[order]]
+    return slot

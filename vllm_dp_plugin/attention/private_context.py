@@ -7,8 +7,9 @@ present. The noise of KV head ``g`` of layer ``l`` comes from the keyed generato
 (context id, ``layer=l/kv_head=g``) with the *global* head index, so every tensor-parallel
 layout and every restart releases the same structure (spec 10.2, keyed noise).
 
-Each KV head is its own ``DPCrossAttention`` whose per-head budget is the model total split
-over ``budget_heads`` = layers x KV heads releases (``scope="layer"`` composition).
+The local KV heads form one ``DPCrossAttention`` (answered in one batched contraction); each
+head's budget is the model total split over ``budget_heads`` = layers x KV heads releases
+(``scope="layer"`` composition) and its noise comes from its own keyed generator.
 """
 
 from __future__ import annotations
@@ -29,11 +30,12 @@ def noise_stream(layer: int, kv_head: int) -> str:
     return f"attention/layer={layer}/kv_head={kv_head}"
 
 
-def head_mapping(mapping: HeadMapping, head: int) -> HeadMapping:
-    """``mapping`` restricted to one KV head (its row of ``key_center``)."""
+def local_mapping(mapping: HeadMapping, heads: HeadLayout) -> HeadMapping:
+    """``mapping`` restricted to the KV heads ``heads`` holds (their rows of ``key_center``)."""
     if mapping.key_center is None:
         return mapping
-    return dataclasses.replace(mapping, key_center=mapping.key_center[head : head + 1])
+    rows = mapping.key_center[heads.kv_offset : heads.kv_offset + heads.kv_heads]
+    return dataclasses.replace(mapping, key_center=rows)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,14 +81,10 @@ class PrivateContextLayer:
                 f"private context of {context_len} tokens exceeds max_context={params.max_context}"
             )
         self.layer, self.heads, self.context_len = layer, heads, context_len
-        groups = heads.query_heads // heads.kv_heads
-        offset = heads.kv_offset
-        self._heads = [
-            DPCrossAttention(
-                params, head_mapping(mapping, offset + g), 1, head_dim, head_dim, groups, budget_heads
-            )
-            for g in range(heads.kv_heads)
-        ]
+        self._dp = DPCrossAttention(
+            params, local_mapping(mapping, heads), heads.kv_heads, head_dim, head_dim, heads.query_heads,
+            budget_heads,
+        )
         self._k = torch.zeros(context_len, heads.kv_heads, head_dim, dtype=torch.float64)
         self._v = torch.zeros_like(self._k)
         self._seen = torch.zeros(context_len, dtype=torch.bool)
@@ -114,9 +112,9 @@ class PrivateContextLayer:
         """Build every local head's release with its keyed noise and drop the exact rows."""
         if not self.complete:
             raise RuntimeError(f"layer {self.layer}: {int(self._seen.sum())}/{self.context_len} rows")
-        for g, head in enumerate(self._heads):
-            stream = noise_stream(self.layer, self.heads.kv_offset + g)
-            head.build(self._k[:, g][None], self._v[:, g][None], key.generator(context, stream))
+        offset = self.heads.kv_offset
+        generators = [key.generator(context, noise_stream(self.layer, offset + g)) for g in range(self.heads.kv_heads)]
+        self._dp.build(self._k.transpose(0, 1), self._v.transpose(0, 1), generators)
         self._k = self._v = self._seen = None
 
     def answer(self, q: torch.Tensor) -> AttentionPart:
@@ -124,13 +122,8 @@ class PrivateContextLayer:
         (float64; true-logit scale, ready for ``merge_parts``)."""
         if not self.released:
             raise RuntimeError(f"layer {self.layer}: the private context is not released yet")
-        groups = self.heads.query_heads // self.heads.kv_heads
-        parts = [
-            head.query_parts(q[:, g * groups : (g + 1) * groups].transpose(0, 1)).part()
-            for g, head in enumerate(self._heads)
-        ]
-        return AttentionPart(torch.cat([p.out for p in parts]), torch.cat([p.lse for p in parts]))
+        return self._dp.query_parts(q.transpose(0, 1)).part()
 
     def planned_mechanism(self):
         """The per-(layer, KV head) release this context gets (public)."""
-        return self._heads[0].planned_mechanism(self.context_len)
+        return self._dp.planned_mechanism(self.context_len)

@@ -7,11 +7,14 @@ only holder of exact private data; ``release`` adds the noise once and returns a
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from ..privacy.mechanisms import Mechanism
+
+HeadGenerators = torch.Generator | Sequence[torch.Generator]  # one for all heads, or one per head
 
 
 @dataclass
@@ -52,12 +55,20 @@ class KernelStateBuilder:
         self._state += torch.bmm(pk.transpose(1, 2).to(torch.float64), weights.to(torch.float64))
         self.rows += pk.shape[1]
 
-    def release(self, mechanism: Mechanism, generator: torch.Generator) -> NoisyKernelState:
+    def release(self, mechanism: Mechanism, generator: HeadGenerators) -> NoisyKernelState:
         """Add i.i.d. ``mechanism`` noise to every state entry (drawn once, float64) and drop the
-        exact state: after this call the builder holds nothing private."""
+        exact state: after this call the builder holds nothing private. ``generator``: one for
+        all heads, or one per head (head h's noise then depends on its own generator only)."""
         if self.rows == 0:
             raise ValueError("the private context is empty: add K/V before releasing")
-        noise = mechanism.sample(tuple(self._state.shape), generator).to(self._state.device)
+        if isinstance(generator, torch.Generator):
+            noise = mechanism.sample(tuple(self._state.shape), generator)
+        else:
+            if len(generator) != self._state.shape[0]:
+                raise ValueError(f"{len(generator)} generators for {self._state.shape[0]} heads")
+            head_shape = (1, *self._state.shape[1:])
+            noise = torch.cat([mechanism.sample(head_shape, g) for g in generator])
+        noise = noise.to(self._state.device)
         noisy = NoisyKernelState(self._state + noise, self.rows)
         self._state = None
         return noisy

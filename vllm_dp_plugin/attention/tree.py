@@ -40,7 +40,7 @@ Memory / dtype decisions:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -174,6 +174,15 @@ class TreeRelease:
             table[h0:h1, f0:f1] = ps.view(Hc, Fc, N, C * MOMENTS * W)
             del ps, at_origin
         return cls(table, p_wx, s_w, lo, hi, N, C)
+
+    @classmethod
+    def stack(cls, releases: Sequence[TreeRelease]) -> TreeRelease:
+        """One release answering the heads of ``releases`` (same spec) in order: post-processing."""
+        first = releases[0]
+        if any((r.leaves, r.copies) != (first.leaves, first.copies) for r in releases):
+            raise ValueError("only releases of the same tree spec can be stacked")
+        cat = lambda name: torch.cat([getattr(r, name) for r in releases])
+        return cls(cat("table"), cat("p_wx"), cat("s_w"), first.lo, first.hi, first.leaves, first.copies)
 
     def answer_copies(self, pq: torch.Tensor) -> torch.Tensor:
         """Per-copy answers ``[H, m, C, W]`` float64 for query features ``pq [H, m, F]``."""

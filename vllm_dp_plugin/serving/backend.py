@@ -82,6 +82,7 @@ class DPImplMixin:
         )
         self._layer: PrivateContextLayer | None = None  # decoder: created on first use
         self._cross: dict[int, PrivateContextLayer] = {}  # enc-dec: first block id -> release
+        self._cross_plans: dict = {}  # enc-dec: encoder length -> ContextPlan
         _validate_once(vllm_config)
         if self.attn_type == AttentionType.DECODER:
             self._context = private_context(vllm_config)
@@ -138,22 +139,24 @@ class DPImplMixin:
             # tokens in this batch are overwritten below before anything reads them.
             super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
         if bool(public.any()):  # DP over [0, P) merged with exact over [P, p]
-            exact = self._exact(q, pos, req, public, key_cache, value_cache, lay, length)
-            dp = self._private_layer(layer).answer(q[public.to(q.device)])
+            tokens = slice(None) if bool(public.all()) else public  # decode steps: every token
+            exact = self._exact(q, pos, req, tokens, key_cache, value_cache, lay, length)
+            dp = self._private_layer(layer).answer(q[_on(tokens, q)])
             merged = merge_parts(dp, AttentionPart(exact.out.double(), exact.lse.double()))
             rows = output[:n].view(n, self.num_heads, self.head_size)
-            rows[public.to(q.device)] = merged.out.transpose(0, 1).to(output.dtype)
+            rows[_on(tokens, q)] = merged.out.transpose(0, 1).to(output.dtype)
         return output
 
     def _exact(self, q, pos, req, tokens, key_cache, value_cache, lay, first_row: int) -> AttentionPart:
-        """Exact causal attention of the selected query tokens over rows [first_row, seq_len)
-        of their own requests."""
-        requests = torch.unique(req[tokens])  # sorted
-        start = torch.full_like(requests, first_row)
-        spans = gather_spans(key_cache, value_cache, lay.block_table[requests.to(lay.block_table.device)],
-                             start, lay.seq_lens[requests].long())
+        """Exact causal attention of the query tokens ``tokens`` (a mask or ``slice(None)``)
+        over rows [first_row, seq_len) of their own requests."""
+        requests = torch.unique_consecutive(req[tokens])  # tokens are grouped by request, in order
+        every = requests.shape[0] == lay.num_requests  # then requests == arange(B)
+        table = lay.block_table[: lay.num_requests] if every else lay.block_table[_on(requests, lay.block_table)]
+        spans = gather_spans(key_cache, value_cache, table, torch.full_like(requests, first_row),
+                             lay.seq_lens[requests].long())
         span_of_token = torch.searchsorted(requests, req[tokens])
-        return causal_part(q[tokens.to(q.device)], pos[tokens], span_of_token, spans, self.scale)
+        return causal_part(q[_on(tokens, q)], pos[tokens], span_of_token, spans, self.scale)
 
     # ------------------------------------------------------------------ encoder-decoder
     def _cross_forward(self, layer, query, key, value, md, output):
@@ -169,6 +172,12 @@ class DPImplMixin:
             output[tokens] = out.to(output.dtype).view(output[tokens].shape)
         return output
 
+    def _cross_plan(self, n: int):
+        """The (public) plan of an encoder output of ``n`` rows, built once per length."""
+        if n not in self._cross_plans:
+            self._cross_plans[n] = context_plan(self._vllm_config, "cross_attention", n)
+        return self._cross_plans[n]
+
     def _release_encoder_outputs(self, layer, key, value, md) -> None:
         """One release per request whose encoder K/V arrive now (rows in request order)."""
         lay, new_lens = md.dp_layout, md.dp_new_encoder_lens
@@ -180,12 +189,16 @@ class DPImplMixin:
                 continue
             k, v = key[start : start + n], value[start : start + n]
             start += n
-            plan = context_plan(self._vllm_config, "cross_attention", n)
-            dp = plan.layer(index, self._heads)
+            dp = self._cross_plan(n).layer(index, self._heads)
             dp.collect(torch.arange(n), k, v)
             ident = context_id(k.detach().cpu().float().numpy().tobytes() + v.detach().cpu().float().numpy().tobytes())
             dp.release(self._key, ident)
             self._cross[int(lay.block_table[r, 0])] = dp
+
+
+def _on(index, tensor: torch.Tensor):
+    """``index`` (a CPU mask / index tensor, or a slice) usable on ``tensor``'s device."""
+    return index if isinstance(index, slice) else index.to(tensor.device)
 
 
 _VALIDATED: set[str] = set()
