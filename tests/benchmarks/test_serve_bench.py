@@ -1,5 +1,5 @@
-"""`vllm-dp bench serve --quick`: vLLM's bench throughput runs with the plugin off and with DP on,
-and the result files carry both rows and their ratio to stock."""
+"""`vllm-dp bench serve --quick`: vLLM's bench throughput runs (and steady-state engine rounds)
+with the plugin off and with DP on, and the result files carry both rows and their ratio to stock."""
 
 import json
 
@@ -25,6 +25,9 @@ def test_quick_run_measures_stock_and_dp_state(tmp_path):
     assert all(r["requests_per_s"] > 0 for r in rows.values())
     (rel,) = [r for r in data["relative"] if r["config"] == "dp_state"]
     assert rel["decode_vs_stock"] > 0
+    steady = {(r["config"], r["prefix_len"]): r for r in data["steady"]}  # one engine, best round
+    assert set(steady) == set(rows) and all(r["requests_per_s"] > 0 and r["cpu_s_per_request"] > 0
+                                            for r in steady.values())
     assert result.with_suffix(".md").exists() and result.with_suffix(".png").exists()
 
 
@@ -36,8 +39,18 @@ def test_dp_rows_get_the_private_context_and_stock_the_plain_prefix(tmp_path):
     assert dp[dp.index("--random-input-len") + 1] == str(s.suffix_len)
     assert bench.config_env("stock")["VLLM_PLUGINS"] == ""
     assert "VLLM_PLUGINS" not in bench.config_env("plugin_off")
-    tree = bench.dp_config("tree", tmp_path / "c.txt", tmp_path / "cal.json", tmp_path / "k", 8.0)
+    tree = bench.dp_config("tree", tmp_path / "c.txt", tmp_path / "cal.json", tmp_path / "k", s)
     assert tree["dp_privacy"]["attention"]["degree"] == 1
+    state = bench.dp_config("state", tmp_path / "c.txt", tmp_path / "cal.json", tmp_path / "k", s)
+    assert state["dp_privacy"]["attention"]["degree"] == s.degree == 2
+
+
+def test_repeated_runs_report_the_median_run_and_keep_every_run():
+    runs = [bench.ThroughputRow("stock", 64, rps, rps * 10, 0, 1) for rps in (3.0, 1.0, 2.0)]
+    runs.append(bench.ThroughputRow("dp_state", 64, 5.0, 50.0, 0, 1))
+    rows = {r.config: r for r in bench.median_rows(runs)}
+    assert rows["stock"].requests_per_s == 2.0 and rows["stock"].output_tokens_per_s == 20.0
+    assert rows["stock"].runs == (3.0, 1.0, 2.0) and rows["dp_state"].runs == (5.0,)
 
 
 def test_verdicts_apply_the_issue_targets():

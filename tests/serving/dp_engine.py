@@ -6,7 +6,8 @@ A script (CPU vLLM forces spawn, hence the __main__ guard) driven by a JSON job:
 ``{"chat": [[messages]], "max_tokens": n}``, ``{"audio_hz": [440.0, ...], "max_tokens": n}``
 (Whisper: 1 s sine clips), ``{"poison_private_kv": true}`` (overwrite, on every worker, the
 cache rows the DP backend collected as private with NaN) or ``{"cross_releases": true}``
-(per worker: the DP cross-attention releases each layer holds).
+(per worker: the DP cross-attention releases each layer holds) or ``{"release_checksums": true}``
+(every worker's decoder releases, merged by global KV head).
 """
 
 import json
@@ -41,6 +42,20 @@ def cross_releases(worker) -> dict:
     }
 
 
+def release_checksums(worker) -> dict:
+    """Global KV head -> [sum, sum of squares] of its released state, per decoder layer."""
+    out = {}
+    for name, module in worker.model_runner.model.named_modules():
+        layer = getattr(getattr(module, "impl", None), "_layer", None)
+        if layer is None or not layer.released:
+            continue
+        state = layer._dp._release.state  # [H_local, F, W] float64
+        for g in range(state.shape[0]):
+            head = layer.heads.kv_offset + g
+            out[f"{name}/kv_head={head}"] = [float(state[g].sum()), float((state[g] ** 2).sum())]
+    return out
+
+
 def whisper_prompts(frequencies):
     import numpy as np
 
@@ -62,6 +77,11 @@ def run_step(llm, step):
         return {"poisoned": llm.collective_rpc(poison_private_rows)}
     if step.get("cross_releases"):
         return {"cross_releases": llm.collective_rpc(cross_releases)}
+    if step.get("release_checksums"):
+        merged = {}
+        for worker in llm.collective_rpc(release_checksums):
+            merged.update(worker)
+        return {"release_checksums": merged}
     if "audio_hz" in step:
         outputs = llm.generate(whisper_prompts(step["audio_hz"]), params)
     elif "chat" in step:

@@ -15,9 +15,10 @@ CONTEXT_TEXT = (
 )
 
 
-def run_engine(job: dict, vllm_plugins: str | None = "dp_privacy") -> list[dict]:
-    """Run ``dp_engine.py`` with ``job`` in a fresh process; returns its per-step results."""
-    env = dict(os.environ, VLLM_ALLOW_INSECURE_SERIALIZATION="1")
+def run_engine(job: dict, vllm_plugins: str | None = "dp_privacy", env: dict | None = None) -> list[dict]:
+    """Run ``dp_engine.py`` with ``job`` in a fresh process (``env``: extra variables); returns
+    its per-step results."""
+    env = dict(os.environ, VLLM_ALLOW_INSECURE_SERIALIZATION="1", **(env or {}))
     env.pop("VLLM_PLUGINS", None)
     if vllm_plugins is not None:
         env["VLLM_PLUGINS"] = vllm_plugins

