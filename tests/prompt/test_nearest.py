@@ -1,0 +1,75 @@
+"""Nearest-candidate search: fast path (fp32/bf16 top-k + exact re-rank) == brute force."""
+
+import pytest
+import torch
+
+from vllm_dp_plugin.prompt import CandidateIndex, brute_force_nearest
+from vllm_dp_plugin.prompt.nearest import squared_distance_scores
+
+K, D = 1000, 32
+
+
+def random_rows(seed: int, k: int = K, d: int = D) -> torch.Tensor:
+    return torch.randn(k, d, generator=torch.Generator().manual_seed(seed))
+
+
+def noisy_queries(rows: torch.Tensor, n: int, scale: float, seed: int) -> torch.Tensor:
+    """n queries near random rows (scale = noise std relative to a unit coordinate)."""
+    gen = torch.Generator().manual_seed(seed)
+    picks = torch.randint(0, rows.shape[0], (n,), generator=gen)
+    return rows[picks].double() + scale * torch.randn(
+        n, rows.shape[1], generator=gen, dtype=torch.float64
+    )
+
+
+@pytest.mark.parametrize("fast_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scale", [0.3, 3.0])
+def test_fast_path_equals_brute_force_on_random_tables(fast_dtype, scale):
+    rows = random_rows(0)
+    ids = torch.arange(K) * 3 + 7  # non-contiguous candidate ids
+    index = CandidateIndex.build(ids, rows, fast_dtype)
+    queries = noisy_queries(rows, 500, scale, seed=1)
+    got = index.nearest(queries, k=16, chunk=128)  # several chunks, one partial
+    assert torch.equal(got, ids[brute_force_nearest(queries, rows)])
+
+
+@pytest.mark.parametrize("fast_dtype", [torch.float32, torch.bfloat16])
+def test_exact_ties_go_to_the_lowest_id(fast_dtype):
+    """Duplicated rows tie exactly in every precision; both paths must return the lowest id."""
+    rows = random_rows(2)
+    groups = [(3, 10, 500), (40, 41), (900, 7, 999, 64)]
+    for group in groups:
+        for member in group[1:]:
+            rows[member] = rows[group[0]]
+    index = CandidateIndex.build(torch.arange(K), rows, fast_dtype)
+    gen = torch.Generator().manual_seed(4)
+    anchors = torch.tensor([g[0] for g in groups]).repeat_interleave(50)
+    queries = rows[anchors].double() + 0.05 * torch.randn(
+        len(anchors), D, generator=gen, dtype=torch.float64
+    )
+    expected = torch.tensor([min(g) for g in groups]).repeat_interleave(50)
+    assert torch.equal(brute_force_nearest(queries, rows), expected)
+    assert torch.equal(index.nearest(queries, k=8, chunk=64), expected)
+
+
+def test_rerank_fixes_bf16_near_ties():
+    """Queries almost equidistant from two rows: bf16 scores alone pick the wrong row for some,
+    the exact fp32 re-rank of the bf16 top-k recovers brute force on all."""
+    rows = random_rows(5, k=400, d=64) * 4.0
+    gen = torch.Generator().manual_seed(6)
+    a, b = torch.randint(0, 400, (2, 2000), generator=gen)
+    keep = a != b
+    t = 0.5 + 1e-3 * torch.randn(int(keep.sum()), 1, generator=gen)
+    queries = rows[a[keep]] * t + rows[b[keep]] * (1 - t)
+    index = CandidateIndex.build(torch.arange(400), rows, torch.bfloat16)
+    expected = brute_force_nearest(queries, rows)
+    bf16_only = squared_distance_scores(queries, index.fast_rows, index.sq_norms).argmin(1)
+    assert (bf16_only != expected).sum() >= 10  # the check below is not vacuous
+    assert torch.equal(index.nearest(queries, k=32), expected)
+
+
+def test_empty_queries_and_bad_dtype():
+    index = CandidateIndex.build(torch.arange(10), random_rows(0, k=10))
+    assert index.nearest(torch.empty(0, D)).shape == (0,)
+    with pytest.raises(ValueError, match="fast_dtype"):
+        CandidateIndex.build(torch.arange(10), random_rows(0, k=10), torch.float16)
