@@ -82,6 +82,11 @@ class TokenGuarantee:
     description: str
     metric_epsilon: float | None = None
 
+    @staticmethod
+    def pure(name: str, epsilon: float, description: str, metric_epsilon: float | None = None) -> TokenGuarantee:
+        """A proven pure ``(epsilon, 0)``-DP per-token guarantee."""
+        return TokenGuarantee(name, epsilon, 0.0, True, EpsilonDeltaDpEvent(epsilon, 0.0), description, metric_epsilon)
+
     def statement(self) -> str:
         """One line: the per-token guarantee and its unit."""
         return self.description
@@ -312,17 +317,12 @@ def _reproduction(
 
 def _exponential(table: EmbeddingTable, epsilon: float) -> ExponentialMechanism:
     diameter = table.sensitivity_l2
-    guarantee = TokenGuarantee(
-        name="expmech",
-        epsilon=epsilon,
-        delta=0.0,
-        valid=True,
-        dp_event=EpsilonDeltaDpEvent(epsilon, 0.0),
-        description=(
-            f"expmech: ({epsilon:.6g}, 0)-DP per token: exponential mechanism over "
-            f"{table.candidates.numel()} fixed candidates, score -||x_w - x_c||_2 of sensitivity "
-            f"Delta_2 = {diameter:.6g} (input-domain l2 diameter)"
-        ),
+    guarantee = TokenGuarantee.pure(
+        "expmech",
+        epsilon,
+        f"expmech: ({epsilon:.6g}, 0)-DP per token: exponential mechanism over "
+        f"{table.candidates.numel()} fixed candidates, score -||x_w - x_c||_2 of sensitivity "
+        f"Delta_2 = {diameter:.6g} (input-domain l2 diameter)",
     )
     return ExponentialMechanism(table, guarantee, epsilon, diameter)
 
@@ -349,17 +349,12 @@ def _mahalanobis(
     diameter = table.sensitivity_l2 if lam == 0.0 else l2_diameter(table.clipped @ inv_sqrt)
     epsilon = metric_epsilon * diameter
     metric = "||x - x'||_2" if lam == 0.0 else f"||Sigma_{lam:g}^(-1/2) (x - x')||_2"
-    guarantee = TokenGuarantee(
-        name=name,
-        epsilon=epsilon,
-        delta=0.0,
-        valid=True,
-        dp_event=EpsilonDeltaDpEvent(epsilon, 0.0),
-        description=(
-            f"{name}: {metric_epsilon:.6g}-metric-DP per token w.r.t. d(x, x') = {metric} (epsilon "
-            f"per unit of that distance); over the input domain (diameter Delta_2 = {diameter:.6g}) "
-            f"this is ({epsilon:.6g}, 0)-DP per token (eps_DP = eps_m * Delta_2)"
-        ),
+    guarantee = TokenGuarantee.pure(
+        name,
+        epsilon,
+        f"{name}: {metric_epsilon:.6g}-metric-DP per token w.r.t. d(x, x') = {metric} (epsilon "
+        f"per unit of that distance); over the input domain (diameter Delta_2 = {diameter:.6g}) "
+        f"this is ({epsilon:.6g}, 0)-DP per token (eps_DP = eps_m * Delta_2)",
         metric_epsilon=metric_epsilon,
     )
     return MahalanobisMechanism(table, guarantee, metric_epsilon, sqrt_cov)
