@@ -235,16 +235,16 @@ class DPCrossAttention:
             raise RuntimeError("call build(K, V) or add(...) + finalize() before querying")
         assert_same_heads("Q", q, self.query_heads, self.head_dim)
         groups, m = self.query_heads // self.kv_heads, q.shape[1]
-        mapped = self.mapping.queries(q)  # [H_q, m, d]
-        kv_head = torch.arange(self.query_heads) // groups
         dtype = getattr(torch, self.params.query_dtype) if self.params.mode == "state" else torch.float64
+        mapped = self.mapping.queries(q, dtype)  # [H_q, m, d]
+        kv_head = torch.arange(self.query_heads) // groups
         features, release = self._query_path or (self.features, self._release)
         pq = features(mapped, dtype).reshape(self.kv_heads, groups * m, -1)  # [H_kv, G m, F]
         ans = release.answer(pq).to(torch.float64).reshape(self.query_heads, m, self.value_dim + 1)
         num, den = ans[..., :-1], ans[..., -1]
         if self.params.clamp:
             den, num = self._clamped(den, num)
-        return PrivateAnswer(num, den, self.mapping.log_scale(mapped, kv_head))
+        return PrivateAnswer(num, den, self.mapping.log_scale(mapped, kv_head).to(torch.float64))
 
     def query(self, q: torch.Tensor) -> torch.Tensor:
         """DP attention output ``[H_q, m, d_v]`` (float64)."""

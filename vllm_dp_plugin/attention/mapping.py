@@ -26,7 +26,9 @@ def check_finite(name: str, x: torch.Tensor) -> torch.Tensor:
     """Raise ``ValueError`` naming ``name`` unless every entry of ``x`` is finite."""
     if not torch.is_tensor(x):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if not torch.isfinite(x).all():
+    # One reduction first: a NaN or inf entry makes the sum non-finite (the elementwise check
+    # only runs when the sum is, e.g. on overflow of huge finite entries).
+    if not torch.isfinite(x.sum()) and not torch.isfinite(x).all():
         raise ValueError(f"{name} contains NaN or inf")
     return x
 
@@ -91,9 +93,10 @@ class HeadMapping:
             k = k - self.key_center.to(k)[:, None, :]
         return self._box(k, self.key_bound, self.key_norm, "K")
 
-    def queries(self, q: torch.Tensor) -> torch.Tensor:
-        """q: [H, m, d] -> mapped queries, float64."""
-        return self._box(check_finite("Q", q).to(torch.float64), self.query_bound, self.query_norm, "Q")
+    def queries(self, q: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+        """q: [H, m, d] -> mapped queries in ``dtype`` (float64 unless the query side of a
+        release runs in float32: queries are public, precision is utility only)."""
+        return self._box(check_finite("Q", q).to(dtype), self.query_bound, self.query_norm, "Q")
 
     def values(self, v: torch.Tensor) -> torch.Tensor:
         """v: [H, n, dv] -> clipped values, float64."""

@@ -129,14 +129,17 @@ def causal_part(
         qc = padded[:, lo : lo + chunk]  # [R, c, H_q, d]
         c = qc.shape[1]
         qc = qc.view(spans_n, c, kv_heads, groups, d).permute(0, 2, 1, 3, 4).reshape(spans_n, kv_heads, c * groups, d)
-        logits = scale * (qc @ k_t)  # [R, H_kv, c G, L]
+        logits = (scale * (qc @ k_t)).view(spans_n, kv_heads, c, groups, length)  # [R, H_kv, c, G, L]
         visible = spans.valid[:, None, :] & (k_pos[:, None, :] <= pos[:, lo : lo + chunk, None])  # [R, c, L]
-        bias = torch.where(visible, 0.0, float("-inf")).to(logits.device)
-        logits = logits + bias.repeat_interleave(groups, dim=1)[:, None]  # [R, 1, c G, L]
-        lse = torch.logsumexp(logits, dim=-1)  # [R, H_kv, c G]
-        out = torch.exp(logits - lse[..., None]) @ v  # [R, H_kv, c G, d]
-        outs.append(out.view(spans_n, kv_heads, c, groups, d).permute(0, 2, 1, 3, 4).reshape(spans_n, c, heads, d))
-        lses.append(lse.view(spans_n, kv_heads, c, groups).permute(0, 2, 1, 3).reshape(spans_n, c, heads))
+        logits += torch.where(visible, 0.0, float("-inf")).to(logits.device)[:, None, :, None, :]
+        top = logits.amax(dim=-1, keepdim=True)  # -inf only for padding queries (dropped below)
+        weights = logits.sub_(top).exp_()  # in place: unnormalised softmax
+        total = weights.sum(dim=-1)  # [R, H_kv, c, G]
+        out = (weights.view(spans_n, kv_heads, c * groups, length) @ v).view(spans_n, kv_heads, c, groups, d)
+        out /= total[..., None]
+        lse = top.squeeze(-1) + total.log()  # [R, H_kv, c, G]
+        outs.append(out.permute(0, 2, 1, 3, 4).reshape(spans_n, c, heads, d))
+        lses.append(lse.permute(0, 2, 1, 3).reshape(spans_n, c, heads))
     out, lse = torch.cat(outs, dim=1), torch.cat(lses, dim=1)  # [R, M, H_q, *]
     if slot is None:
         out, lse = out.view(m, heads, d), lse.view(m, heads)
