@@ -1,0 +1,486 @@
+"""Prompt-privatization speed: privatized tokens per second (trlaplace spec 6.2.6).
+
+Two parts, on synthetic seeded Gaussian embedding tables (default 30k x 384 and 128k x 4096):
+
+1. **nearest step**: ``CandidateIndex.nearest`` (fast-pass top-32 per chunk of 512 queries +
+   exact fp32 re-rank) for queries ``r = e_w + z`` (a random row plus N(0, ``--query-noise``^2)
+   per coordinate), torch fast pass vs the Triton kernel (CUDA only), fp32 vs bf16 fast rows;
+2. **whole privatizer**: ``TokenPrivatizer.privatize`` with ``trlap_corrected`` at eps 10
+   (delta ``--delta``) over every token of the batch: table lookup, TrLaplace noise, nearest
+   step, receipt.
+
+Each case is timed on ``batch`` tokens (default 512 and 4096) after one warm-up call; the timed
+call is repeated until ``--min-time`` seconds have passed (at most ``--max-repeats``) and the
+median is reported as tokens/s = batch / seconds. ``agree_fp32_torch``: fraction of the batch
+whose nearest id equals the torch fp32 pass's (same queries). Cases larger than ``--max-macs``
+(n * V * d multiply-adds per timed call; CPU default 3e11 so the run stays within minutes) and
+privatizer tables whose build would take more than half the free memory are skipped and listed
+with the reason.
+
+Writes ``prompt-speed-<device>-<date>.md`` and ``.json`` into ``--out``. Run as
+``python -m vllm_dp_plugin.benchmarks.prompt_speed`` (``--quick``: toy sizes, seconds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from vllm_dp_plugin.prompt import EmbeddingTable, TokenPrivatizer, token_mechanism
+from vllm_dp_plugin.prompt.nearest import CandidateIndex, FastPass, fast_topk_torch
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+TOPK, CHUNK = 32, 512
+PRIVATIZER_BYTES_PER_ENTRY = 30  # peak bytes per V*d entry while building table + index
+CPU_MAX_MACS = 3e11
+CPU_WARMUP = 64  # tokens of the untimed warm-up call on CPU
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def _tables(text: str) -> list[tuple[int, int]]:
+    """``"30000x384,128000x4096"`` -> [(30000, 384), (128000, 4096)]."""
+    out = []
+    for item in text.split(","):
+        vocab, dim = item.lower().split("x")
+        out.append((int(vocab), int(dim)))
+    return out
+
+
+def device_label(device: torch.device) -> str:
+    """``cpu-<cores>core`` or the GPU's name in lower case with dashes (``nvidia-h200``)."""
+    if device.type != "cuda":
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        return f"cpu-{cores}core"
+    name = torch.cuda.get_device_name(device).lower()
+    return "-".join("".join(c if c.isalnum() else " " for c in name).split())
+
+
+def free_bytes(device: torch.device) -> int:
+    """Free memory of ``device`` in bytes (CUDA: free device memory; CPU: MemAvailable)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 1 << 62
+
+
+def _loadavg() -> list[float] | None:
+    """1/5/15-minute load averages of the host (other processes compete for the CPU)."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(
+    fn: Callable[[int], object], batch: int, device: torch.device, min_time: float, max_repeats: int
+):
+    """(median seconds, repeats, last result) of ``fn(batch)`` after one untimed warm-up call:
+    the full batch on CUDA (compilation, kernel selection), at most ``CPU_WARMUP`` tokens on CPU
+    (first-call allocations only; a full-size CPU warm-up would double the run time)."""
+    fn(batch if device.type == "cuda" else min(batch, CPU_WARMUP))
+    sync(device)
+    times: list[float] = []
+    result = None
+    while not times or (sum(times) < min_time and len(times) < max_repeats):
+        start = time.perf_counter()
+        result = fn(batch)
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), len(times), result
+
+
+def fast_passes(device: torch.device) -> dict[str, FastPass]:
+    """``torch`` everywhere, ``triton`` on CUDA when triton is installed."""
+    passes: dict[str, FastPass] = {"torch": fast_topk_torch}
+    if device.type == "cuda":
+        try:
+            import triton  # noqa: F401
+
+            from vllm_dp_plugin.kernels.nearest import fast_topk_triton
+
+            passes["triton"] = fast_topk_triton
+        except ImportError:
+            pass
+    return passes
+
+
+def synthetic_table(vocab: int, dim: int, seed: int, device: torch.device) -> torch.Tensor:
+    """``[vocab, dim]`` fp32 N(0, 1) rows from a seeded generator on ``device``."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return torch.randn(vocab, dim, generator=gen, device=device)
+
+
+def skip_reason(batch: int, vocab: int, dim: int, max_macs: float) -> str:
+    macs = batch * vocab * dim
+    return f"skipped: {macs:.2g} MACs > --max-macs {max_macs:.2g}" if macs > max_macs else ""
+
+
+def bench_nearest(args, device: torch.device, vocab: int, dim: int, log) -> list[dict]:
+    """Part 1 rows for one table."""
+    rows_out: list[dict] = []
+    table = synthetic_table(vocab, dim, args.seed, device)
+    ids = torch.arange(vocab, device=device)
+    gen = torch.Generator(device=device).manual_seed(args.seed + 1)
+    n_max = max(args.batches)
+    picks = torch.randint(0, vocab, (n_max,), generator=gen, device=device)
+    queries = table[picks] + args.query_noise * torch.randn(
+        n_max, dim, generator=gen, device=device
+    )
+    passes = fast_passes(device)
+    for dtype_name in args.dtypes:
+        index = CandidateIndex.build(ids, table, DTYPES[dtype_name])
+        for batch in args.batches:
+            base = {
+                "part": "nearest",
+                "vocab": vocab,
+                "dim": dim,
+                "dtype": dtype_name,
+                "batch": batch,
+            }
+            reason = skip_reason(batch, vocab, dim, args.max_macs)
+            for pass_name, fast_pass in passes.items():
+                row = {**base, "pass": pass_name}
+                if reason:
+                    rows_out.append({**row, "status": reason})
+                    continue
+
+                def call(size, fast_pass=fast_pass, index=index):
+                    return index.nearest(queries[:size], TOPK, CHUNK, fast_pass)
+
+                seconds, repeats, got = timed(call, batch, device, args.min_time, args.max_repeats)
+                key = (vocab, dim, batch)
+                if dtype_name == "fp32" and pass_name == "torch":
+                    args.reference[key] = got
+                ref = args.reference.get(key)
+                agree = None if ref is None else float((got == ref).float().mean())
+                row.update(
+                    status="ok",
+                    seconds=seconds,
+                    repeats=repeats,
+                    tokens_per_s=batch / seconds,
+                    agree_fp32_torch=agree,
+                )
+                rows_out.append(row)
+                log(
+                    f"  nearest {vocab}x{dim} {dtype_name} {pass_name} batch {batch}: "
+                    f"{batch / seconds:,.0f} tok/s ({seconds * 1e3:.1f} ms, {repeats} runs)"
+                )
+        del index
+    return rows_out
+
+
+def bench_privatizer(args, device: torch.device, vocab: int, dim: int, log) -> list[dict]:
+    """Part 2 rows for one table."""
+    need = PRIVATIZER_BYTES_PER_ENTRY * vocab * dim
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the nearest part's cached blocks would count as used
+    free = free_bytes(device)
+    passes = fast_passes(device)
+    base = {
+        "part": "privatizer",
+        "vocab": vocab,
+        "dim": dim,
+        "mechanism": "trlap_corrected",
+        "epsilon": args.epsilon,
+        "delta": args.delta,
+    }
+    if need > free / 2:
+        reason = (
+            f"skipped: table build needs ~{need / 2**30:.1f} GiB, "
+            f"more than half of the {free / 2**30:.1f} GiB free"
+        )
+        return [
+            {**base, "dtype": d, "batch": b, "pass": p, "status": reason}
+            for d in args.dtypes
+            for b in args.batches
+            for p in passes
+        ]
+    start = time.perf_counter()
+    table = EmbeddingTable.build(synthetic_table(vocab, dim, args.seed, device), vocab)
+    mech = token_mechanism("trlap_corrected", table, args.epsilon, args.delta)
+    sync(device)
+    build_s = time.perf_counter() - start
+    gen = torch.Generator(device=device).manual_seed(args.seed + 2)
+    n_max = max(args.batches)
+    ids = torch.randint(0, vocab, (n_max,), generator=gen, device=device)
+    rows_out = []
+    for dtype_name in args.dtypes:
+        for pass_name, fast_pass in passes.items():
+            start = time.perf_counter()
+            priv = TokenPrivatizer(table, mech, fast_dtype=DTYPES[dtype_name], fast_pass=fast_pass)
+            sync(device)
+            index_s = time.perf_counter() - start
+            for batch in args.batches:
+                row = {**base, "dtype": dtype_name, "batch": batch, "pass": pass_name}
+                reason = skip_reason(batch, vocab, dim, args.max_macs)
+                if reason:
+                    rows_out.append({**row, "status": reason})
+                    continue
+
+                def call(size, priv=priv):
+                    noise = torch.Generator(device=device).manual_seed(args.seed + 3)
+                    mask = torch.ones(size, dtype=torch.bool, device=device)
+                    return priv.privatize(ids[:size], mask, noise)
+
+                seconds, repeats, (_, receipt) = timed(
+                    call, batch, device, args.min_time, args.max_repeats
+                )
+                row.update(
+                    status="ok",
+                    seconds=seconds,
+                    repeats=repeats,
+                    tokens_per_s=batch / seconds,
+                    table_build_s=build_s,
+                    index_build_s=index_s,
+                    receipt_epsilon=receipt.total.epsilon,
+                )
+                rows_out.append(row)
+                log(
+                    f"  privatizer {vocab}x{dim} {dtype_name} {pass_name} batch {batch}: "
+                    f"{batch / seconds:,.0f} tok/s ({seconds * 1e3:.1f} ms, {repeats} runs)"
+                )
+            del priv
+    return rows_out
+
+
+def environment(device: torch.device) -> dict:
+    info = {
+        "device": device_label(device),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "threads": torch.get_num_threads(),
+        "cpu": platform.processor() or platform.machine(),
+    }
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = "not installed"
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+        info["cuda"] = torch.version.cuda
+        info["tf32_matmul"] = torch.backends.cuda.matmul.allow_tf32
+    return info
+
+
+def _cell(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
+    return str(value)
+
+
+def _agree(value) -> str:
+    return "-" if value is None else f"{value:.4f}"
+
+
+def render_markdown(results: dict) -> str:
+    meta = results["meta"]
+    lines = [
+        f"# Prompt privatization speed: {meta['device']} ({meta['date']})",
+        "",
+        f"Command: `{meta['command']}`",
+        "",
+        f"torch {meta['env']['torch']}, triton {meta['env']['triton']}, "
+        f"python {meta['env']['python']}, {meta['env']['threads']} threads"
+        + (
+            f", GPU {meta['env']['gpu']} (CUDA {meta['env']['cuda']})"
+            if "gpu" in meta["env"]
+            else ""
+        ),
+        "",
+        (
+            f"Synthetic N(0, 1) tables (seed {meta['seed']}), top-{TOPK} fast pass per chunk of "
+            f"{CHUNK} queries + exact fp32 re-rank. tokens/s = batch / median seconds of one call "
+            f"(after a warm-up call: full batch on CUDA, {CPU_WARMUP} tokens on CPU). `agree` = "
+            "fraction of ids equal to the torch fp32 pass on the same queries."
+        ),
+        "",
+        "## 1. Nearest-candidate step (`CandidateIndex.nearest`)",
+        "",
+        f"Queries: a random table row + N(0, {meta['query_noise']}^2) per coordinate.",
+        "",
+        "| table V x d | fast rows | pass | batch | tokens/s | ms / call | runs | agree | status |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results["nearest"]:
+        lines.append(
+            f"| {r['vocab']} x {r['dim']} | {r['dtype']} | {r['pass']} | {r['batch']} | "
+            f"{_cell(r.get('tokens_per_s'))} | "
+            f"{_cell(r['seconds'] * 1e3) if 'seconds' in r else '-'} | {_cell(r.get('repeats'))} | "
+            f"{_agree(r.get('agree_fp32_torch'))} | {r['status']} |"
+        )
+    lines += [
+        "",
+        (
+            f"## 2. Whole `TokenPrivatizer` (trlap_corrected, eps {meta['epsilon']}, "
+            f"delta {meta['delta']}, every token private)"
+        ),
+        "",
+        (
+            "| table V x d | fast rows | pass | batch | tokens/s | ms / call | runs "
+            "| table + index build s | status |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results["privatizer"]:
+        build = (
+            f"{r['table_build_s']:.2f} + {r['index_build_s']:.2f}" if "table_build_s" in r else "-"
+        )
+        lines.append(
+            f"| {r['vocab']} x {r['dim']} | {r['dtype']} | {r['pass']} | {r['batch']} | "
+            f"{_cell(r.get('tokens_per_s'))} | "
+            f"{_cell(r['seconds'] * 1e3) if 'seconds' in r else '-'} | {_cell(r.get('repeats'))} | "
+            f"{build} | {r['status']} |"
+        )
+    lines += [
+        "",
+        (
+            f"Total wall time: {meta['wall_s']:.1f} s. Host load average (1/5/15 min) at start "
+            f"{meta['loadavg_start']}, at end {meta['loadavg_end']} (on a shared CPU box other "
+            "processes compete for the cores: compare rows of one run, not runs)."
+        ),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m vllm_dp_plugin.benchmarks.prompt_speed",
+        description="Privatized-token throughput: nearest-candidate step and TokenPrivatizer.",
+    )
+    p.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="cpu or cuda[:i] (default: cuda when available)",
+    )
+    p.add_argument(
+        "--out", type=Path, default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})"
+    )
+    p.add_argument("--quick", action="store_true", help="toy sizes (seconds; for tests)")
+    p.add_argument(
+        "--tables",
+        type=_tables,
+        help="VxD list (default 30000x384,128000x4096; quick 2000x64,3000x128)",
+    )
+    p.add_argument("--batches", type=_ints, help="tokens per call (default 512,4096; quick 32,128)")
+    p.add_argument("--dtypes", default="fp32,bf16", help="fast-pass row dtypes (default fp32,bf16)")
+    p.add_argument("--parts", default="nearest,privatizer", help="comma list of nearest,privatizer")
+    p.add_argument(
+        "--max-macs",
+        type=float,
+        help=f"skip calls above n*V*d multiply-adds (CPU default {CPU_MAX_MACS:.0e}, CUDA: none)",
+    )
+    p.add_argument(
+        "--min-time",
+        type=float,
+        help="repeat a timed call until this many seconds (default 1; quick 0)",
+    )
+    p.add_argument(
+        "--max-repeats", type=int, default=10, help="at most this many timed calls (default 10)"
+    )
+    p.add_argument(
+        "--query-noise", type=float, default=1.0, help="std of the query noise (default 1)"
+    )
+    p.add_argument(
+        "--epsilon", type=float, default=10.0, help="privatizer per-token epsilon (default 10)"
+    )
+    p.add_argument(
+        "--delta", type=float, default=1e-6, help="privatizer per-token delta (default 1e-6)"
+    )
+    p.add_argument("--seed", type=int, default=0, help="table/query seed (default 0)")
+    p.add_argument("--date", default="", help="date stamp of the result files (default today)")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda but torch sees no CUDA device")
+    args.tables = args.tables or (
+        [(2000, 64), (3000, 128)] if args.quick else [(30000, 384), (128000, 4096)]
+    )
+    args.batches = args.batches or ([32, 128] if args.quick else [512, 4096])
+    args.dtypes = [d for d in args.dtypes.split(",") if d]
+    for name in args.dtypes:
+        if name not in DTYPES:
+            raise SystemExit(f"unknown dtype {name!r}; use {sorted(DTYPES)}")
+    parts = {p for p in args.parts.split(",") if p}
+    if args.max_macs is None:
+        args.max_macs = CPU_MAX_MACS if device.type == "cpu" else float("inf")
+    if args.min_time is None:
+        args.min_time = 0.0 if args.quick else 1.0
+    args.date = args.date or datetime.date.today().isoformat()
+    args.reference = {}
+    log = (lambda msg: None) if args.quiet else (lambda msg: print(msg, flush=True))
+
+    load_start = _loadavg()
+    start = time.perf_counter()
+    results: dict = {"nearest": [], "privatizer": []}
+    for vocab, dim in args.tables:
+        if "nearest" in parts:
+            log(f"== nearest step, table {vocab} x {dim}")
+            results["nearest"] += bench_nearest(args, device, vocab, dim, log)
+        if "privatizer" in parts:
+            log(f"== privatizer, table {vocab} x {dim}")
+            results["privatizer"] += bench_privatizer(args, device, vocab, dim, log)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    label = device_label(device)
+    results["meta"] = {
+        "device": label,
+        "date": args.date,
+        "command": "python -m vllm_dp_plugin.benchmarks.prompt_speed " + " ".join(argv),
+        "env": environment(device),
+        "seed": args.seed,
+        "query_noise": args.query_noise,
+        "epsilon": args.epsilon,
+        "delta": args.delta,
+        "topk": TOPK,
+        "chunk": CHUNK,
+        "max_macs": args.max_macs if args.max_macs != float("inf") else None,
+        "wall_s": time.perf_counter() - start,
+        "loadavg_start": load_start,
+        "loadavg_end": _loadavg(),
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / f"prompt-speed-{label}-{args.date}"
+    Path(f"{stem}.json").write_text(json.dumps(results, indent=2) + "\n")
+    Path(f"{stem}.md").write_text(render_markdown(results))
+    log(f"wrote {stem}.md and .json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

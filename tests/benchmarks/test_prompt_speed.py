@@ -1,0 +1,66 @@
+"""``benchmarks/prompt_speed.py --quick``: runs end to end and writes the md + json tables."""
+
+import json
+
+from vllm_dp_plugin.benchmarks import prompt_speed
+
+DATE = "2026-11-22"
+
+
+def test_quick_run_writes_tables_with_positive_throughput(tmp_path):
+    rc = prompt_speed.main(["--quick", "--out", str(tmp_path), "--date", DATE, "--quiet"])
+    assert rc == 0
+    label = prompt_speed.device_label(prompt_speed.torch.device("cpu"))
+    assert label.startswith("cpu-") and label.endswith("core")
+    stem = tmp_path / f"prompt-speed-{label}-{DATE}"
+    results = json.loads(stem.with_name(stem.name + ".json").read_text())
+    text = stem.with_name(stem.name + ".md").read_text()
+
+    nearest, privatizer = results["nearest"], results["privatizer"]
+    # quick: 2 tables x 2 dtypes x 2 batches, torch pass only on CPU
+    assert len(nearest) == 8 and len(privatizer) == 8
+    for row in nearest + privatizer:
+        assert row["status"] == "ok" and row["pass"] == "torch", row
+        assert row["tokens_per_s"] > 0 and row["seconds"] > 0
+    assert {(r["dtype"], r["batch"]) for r in nearest} == {
+        (d, b) for d in ("fp32", "bf16") for b in (32, 128)
+    }
+    # the fp32 torch pass is its own reference; bf16 + re-rank almost always agrees with it
+    assert all(r["agree_fp32_torch"] == 1.0 for r in nearest if r["dtype"] == "fp32")
+    assert all(r["agree_fp32_torch"] >= 0.9 for r in nearest)
+    assert all(r["mechanism"] == "trlap_corrected" and r["epsilon"] == 10.0 for r in privatizer)
+    assert results["meta"]["device"] == label and results["meta"]["date"] == DATE
+
+    assert "## 1. Nearest-candidate step" in text and "## 2. Whole `TokenPrivatizer`" in text
+    assert "| 2000 x 64 | bf16 | torch | 128 |" in text
+    assert "| 3000 x 128 | fp32 | torch | 32 |" in text
+
+
+def test_skips_are_reported_not_run(tmp_path):
+    """A case over --max-macs is listed with its reason instead of being timed."""
+    rc = prompt_speed.main(
+        [
+            "--quick",
+            "--out",
+            str(tmp_path),
+            "--date",
+            DATE,
+            "--quiet",
+            "--parts",
+            "nearest",
+            "--tables",
+            "1000x32",
+            "--batches",
+            "16,64",
+            "--dtypes",
+            "fp32",
+            "--max-macs",
+            "1e6",
+        ]
+    )
+    assert rc == 0
+    (path,) = tmp_path.glob("prompt-speed-*.json")
+    rows = json.loads(path.read_text())["nearest"]
+    by_batch = {r["batch"]: r for r in rows}
+    assert by_batch[16]["status"] == "ok" and by_batch[16]["tokens_per_s"] > 0  # 16*1000*32 = 5e5
+    assert by_batch[64]["status"].startswith("skipped") and "tokens_per_s" not in by_batch[64]
