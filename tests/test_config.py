@@ -86,3 +86,39 @@ def test_serving_keys_are_validated(extra, match):
 def test_huge_epsilon_is_fine_with_basic_composition():
     cfg = DPPrivacyConfig.from_dict({"attention": {**GOOD["attention"], "epsilon": 1e6, "composition": "basic"}})
     assert cfg.attention.epsilon == 1e6
+
+
+def test_prompt_section_defaults_and_switches():
+    cfg = DPPrivacyConfig.from_dict({"prompt": {}})
+    p = cfg.prompt
+    assert cfg.prompt_enabled and not cfg.enabled  # the attention backend stays a pass-through
+    assert (p.mechanism, p.epsilon, p.delta, p.mode, p.fast_dtype) == ("trlap_corrected", 10.0, 1e-6, "tokens", "float32")
+    assert (p.center, p.clip_quantile, p.topk, p.allow_request_override, p.cache_history) == (True, 0.5, 32, True, True)
+    assert p.max_epsilon is None and p.effective_dim is None
+    both = DPPrivacyConfig.from_dict({**GOOD, "prompt": {"mechanism": "expmech", "epsilon": 3}})
+    assert both.enabled and both.prompt_enabled and both.prompt.mechanism == "expmech"
+    assert not DPPrivacyConfig.from_dict(GOOD).prompt_enabled
+
+
+@pytest.mark.parametrize(
+    "prompt,match",
+    [
+        ({"mechanism": "gauss"}, "prompt.mechanism must be one of"),
+        ({"epsilon": 0}, "prompt.epsilon must be > 0"),
+        ({"delta": 1.5}, r"prompt.delta must lie in \(0, 1\)"),
+        ({"epsilon": 20, "max_epsilon": 5}, "prompt.epsilon=20 exceeds prompt.max_epsilon=5"),
+        ({"max_epsilon": -1}, "prompt.max_epsilon must be > 0"),
+        ({"clip_quantile": 0}, "prompt.clip_quantile must be > 0"),
+        ({"clip_quantile": 1.5}, r"prompt.clip_quantile must lie in \(0, 1\]"),
+        ({"topk": 0}, "prompt.topk must be an integer >= 1"),
+        ({"effective_dim": 0}, "prompt.effective_dim must be an integer >= 1"),
+        ({"fast_dtype": "float16"}, "prompt.fast_dtype must be one of"),
+        ({"mode": "logits"}, "prompt.mode must be one of"),
+        ({"cache_history": "yes"}, "prompt.cache_history must be true or false"),
+        ({"eps": 1}, r"dp_privacy.prompt: unknown key\(s\) \['eps'\]"),
+        ([1], "dp_privacy.prompt must be a mapping"),
+    ],
+)
+def test_bad_prompt_config_names_the_key(prompt, match):
+    with pytest.raises(ConfigError, match=match):
+        DPPrivacyConfig.from_dict({"prompt": prompt})

@@ -14,6 +14,7 @@ from typing import Any
 
 from .privacy.accountant import COMPOSITIONS, Budget
 from .privacy.validation import check_count, check_delta, check_epsilon, check_positive
+from .prompt.mechanisms import MECHANISMS
 
 CONFIG_KEY = "dp_privacy"
 
@@ -117,12 +118,79 @@ def _check_bounds(bounds: Any) -> None:
         _check(check_positive, value, f"attention.bounds.{name}")
 
 
+PROMPT_MODES = ("tokens", "embeddings")
+FAST_DTYPES = ("float32", "bfloat16")
+
+
+@dataclass(frozen=True)
+class PromptPrivacyConfig:
+    """Prompt privatization: token-level DP on the user-authored part of every prompt.
+
+    Each user token (chat ``user`` messages, completion prompts) is replaced by a DP sample from
+    the served model's candidate vocabulary; system prompt, assistant turns, template tokens and
+    the private context pass through. ``epsilon``/``delta`` are PER TOKEN (``mahalanobis``/``cmp``:
+    the metric epsilon per unit distance); receipts compose them over the tokens of a prompt.
+
+    ``mechanism``: one of ``prompt.MECHANISMS``. ``effective_dim``: Remark 1's dummy dimension,
+    used by ``trlap_paper`` only. ``center``/``clip_quantile``: the embedding table's centring and
+    clip norm (a quantile of the centred row norms). ``topk``/``fast_dtype``: nearest-candidate
+    search (utility and speed only). ``allow_request_override``: requests may pick mechanism and
+    epsilon (``vllm_xargs``: ``dp_mechanism``, ``dp_epsilon``), capped by ``max_epsilon`` when set.
+    ``cache_history``/``cache_size``: reuse the privatized ids of earlier user turns of the same
+    conversation and of retried requests (LRU of ``cache_size`` segments) instead of re-noising.
+    ``mode``: ``tokens`` (privatized ids go to the engine) or ``embeddings`` (noisy embeddings
+    through vLLM's ``prompt_embeds``; needs ``--enable-prompt-embeds``).
+    """
+
+    mechanism: str = "trlap_corrected"
+    epsilon: float = 10.0
+    delta: float = 1e-6
+    effective_dim: int | None = None
+    center: bool = True
+    clip_quantile: float = 0.5
+    topk: int = 32
+    fast_dtype: str = "float32"
+    allow_request_override: bool = True
+    max_epsilon: float | None = None
+    cache_history: bool = True
+    cache_size: int = 4096
+    mode: str = "tokens"
+
+    def __post_init__(self) -> None:
+        _choice(self.mechanism, MECHANISMS, "prompt.mechanism")
+        _check(check_epsilon, self.epsilon, "prompt.epsilon")
+        _check(check_delta, self.delta, "prompt.delta")
+        if self.effective_dim is not None:
+            _check(check_count, self.effective_dim, "prompt.effective_dim")
+        for name in ("center", "allow_request_override", "cache_history"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"prompt.{name} must be true or false, got {getattr(self, name)!r}")
+        _check(check_positive, self.clip_quantile, "prompt.clip_quantile")
+        if not self.clip_quantile <= 1.0:
+            raise ConfigError(f"prompt.clip_quantile must lie in (0, 1], got {self.clip_quantile!r}")
+        _check(check_count, self.topk, "prompt.topk")
+        _check(check_count, self.cache_size, "prompt.cache_size")
+        _choice(self.fast_dtype, FAST_DTYPES, "prompt.fast_dtype")
+        _choice(self.mode, PROMPT_MODES, "prompt.mode")
+        if self.max_epsilon is not None:
+            _check(check_epsilon, self.max_epsilon, "prompt.max_epsilon")
+            if self.epsilon > self.max_epsilon:
+                raise ConfigError(
+                    f"prompt.epsilon={self.epsilon:g} exceeds prompt.max_epsilon={self.max_epsilon:g}"
+                )
+
+
 @dataclass(frozen=True)
 class DPPrivacyConfig:
-    """Top-level ``dp_privacy`` section."""
+    """Top-level ``dp_privacy`` section.
+
+    ``enabled`` means DP attention (the ``attention`` section: the attention backend's switch);
+    ``prompt_enabled`` means prompt privatization (the ``prompt`` section: the renderer's).
+    """
 
     key_file: str | None = None
     attention: AttentionPrivacyConfig | None = None
+    prompt: PromptPrivacyConfig | None = None
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> DPPrivacyConfig:
@@ -130,7 +198,7 @@ class DPPrivacyConfig:
         if not isinstance(raw, dict):
             raise ConfigError(f"{CONFIG_KEY} must be a mapping, got {type(raw).__name__}")
         _no_unknown_keys(raw, cls, CONFIG_KEY)
-        sections = {"attention": AttentionPrivacyConfig}
+        sections = {"attention": AttentionPrivacyConfig, "prompt": PromptPrivacyConfig}
         parsed: dict[str, Any] = {"key_file": raw.get("key_file")}
         for name, section_cls in sections.items():
             if raw.get(name) is not None:
@@ -150,7 +218,13 @@ class DPPrivacyConfig:
 
     @property
     def enabled(self) -> bool:
+        """DP attention is on (the attention backend stays a pass-through otherwise)."""
         return self.attention is not None
+
+    @property
+    def prompt_enabled(self) -> bool:
+        """Prompt privatization is on (the ``prompt`` section is present)."""
+        return self.prompt is not None
 
 
 def _build(section_cls: type, raw: Any, where: str):
