@@ -7,7 +7,9 @@ A script (CPU vLLM forces spawn, hence the __main__ guard) driven by a JSON job:
 (Whisper: 1 s sine clips), ``{"poison_private_kv": true}`` (overwrite, on every worker, the
 cache rows the DP backend collected as private with NaN) or ``{"cross_releases": true}``
 (per worker: the DP cross-attention releases each layer holds) or ``{"release_checksums": true}``
-(every worker's decoder releases, merged by global KV head).
+(every worker's decoder releases, merged by global KV head). A generation step with
+``"dp_options": {...}`` runs inside ``prompt_request(**options)`` (prompt privatization) and also
+returns the receipts (``receipts``, ``accessor_receipts``), or ``{"error": message}``.
 """
 
 import json
@@ -69,8 +71,24 @@ def whisper_prompts(frequencies):
     ]
 
 
+def prompt_step(llm, step):
+    from vllm_dp_plugin.prompt.session import prompt_request
+
+    try:
+        with prompt_request(**step["dp_options"]) as request:
+            result = run_step(llm, {k: v for k, v in step.items() if k != "dp_options"})
+    except ValueError as exc:
+        return {"error": str(exc)}
+    result["receipts"] = request.receipts
+    result["accessor_receipts"] = [llm.renderer.prompt_receipt(i) for i in result["prompt_token_ids"]]
+    return result
+
+
 def run_step(llm, step):
     from vllm import SamplingParams
+
+    if "dp_options" in step:
+        return prompt_step(llm, step)
 
     params = SamplingParams(temperature=0.0, max_tokens=step.get("max_tokens", 8))
     if step.get("poison_private_kv"):

@@ -1,27 +1,69 @@
-"""``--tokenizer-mode dp_private``: vLLM's HF renderer plus the private context.
+"""``--tokenizer-mode dp_private``: vLLM's HF renderer plus the private context and prompt privatization.
 
-Every rendered request (chat, completion, token-id prompt; ``LLM``, the OpenAI server and
-``vllm bench``) becomes ``private context ids + the request's own ids``: the context occupies
-positions [0, P), which is how the attention backend recognises it. Users never send or see
-it. Prompt embeddings are refused while a private context is configured (they could not be
-prefixed and would bypass the layout).
+Private context (``dp_privacy.attention.private_context``): every rendered request (chat,
+completion, token-id prompt; ``LLM``, the OpenAI server and ``vllm bench``) becomes ``private
+context ids + the request's own ids``: the context occupies positions [0, P), which is how the
+attention backend recognises it. Users never send or see it. Prompt embeddings are refused while
+a private context is configured (they could not be prefixed and would bypass the layout).
+
+Prompt privatization (``dp_privacy.prompt``): the user-authored tokens of every request are
+replaced by DP samples before anything downstream (scheduler, prefix cache, engine, logs) sees
+them; the logic lives in ``prompt.session``, this class only wires it into vLLM:
+
+* chat (``render_messages[_async]``): the template is rendered twice, with the user texts and
+  with sentinels in their place, which locates the user segments exactly; template pieces and
+  user texts are tokenised separately and spliced (spec 6.2.5). System prompt, assistant turns
+  and template tokens pass through.
+* completions (``process_for_engine[_async]``): a text prompt is private except the special
+  tokens the tokenizer adds (mask from ``_tokenize_prompt``, carried across truncation); in a
+  token-id prompt every non-special id is private (special ids are the client's template).
+* options come from ``prompt.session.current_request()`` (set by the HTTP layer from
+  ``vllm_xargs``, or by ``prompt_request`` around ``LLM`` calls); receipts go back the same way,
+  to the log (one line per prompt, no text, no ids) and to ``prompt_receipt(prompt_token_ids)``.
+* ``mode: embeddings`` sends noisy embeddings at the private positions through vLLM's mixed
+  ``prompt_embeds`` path (``prompt_is_token_ids``), needs ``--enable-prompt-embeds``.
+
+The privatized ids go to the engine directly (no detokenise/retokenise); the raw prompt text
+and its character offsets are dropped from the engine input.
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import functools
+import hashlib
 import logging
 import os
+from collections import OrderedDict
 
 from vllm.renderers.hf import HfRenderer
 
 from ..config import ConfigError
+from ..prompt.session import (
+    PrivatizedPrompt,
+    PromptReceipt,
+    chat_segments,
+    current_request,
+    locate_plain,
+    mark_user_texts,
+    recover_user_texts,
+    split_rendered,
+    token_segments,
+    truncated_mask,
+)
+from .prompt_table import build_prompt_privacy, receipt_log_line, special_token_ids
 from .settings import PLUGIN_NAME, dp_config, private_context
 
 logger = logging.getLogger("vllm.dp_privacy")  # inherits vLLM's log handler
 
+RECEIPT_MARK = "_dp_receipt"  # chat prompts privatized by render_messages carry their receipt
+FULL_MARK = "_dp_full"  # text completions: (untruncated ids, private mask) from _tokenize_prompt
+RECENT_RECEIPTS = 1024
+
 
 class DPRenderer(HfRenderer):
-    """Prepends the deployment's private context to every decoder prompt."""
+    """Prepends the deployment's private context and privatizes user tokens."""
 
     def __init__(self, config, tokenizer) -> None:
         super().__init__(config, tokenizer)
@@ -29,18 +71,204 @@ class DPRenderer(HfRenderer):
         self._context = None
         if cfg.attention is not None and cfg.attention.private_context is not None:
             self._context = private_context(config)
-            require_http_guard()
+            require_http_guard("a private context is configured")
             logger.info(
                 "vllm-dp: private context %s... (%d tokens) is prepended to every request",
                 self._context.context_id[:12],
                 self._context.length,
             )
+        self._prompt = None
+        self._recent: OrderedDict[str, dict] = OrderedDict()
+        if cfg.prompt is not None:
+            self._start_prompt_privacy(config, cfg)
+
+    # ------------------------------------------------------------------ set-up
+
+    def _start_prompt_privacy(self, config, cfg) -> None:
+        p, model_config = cfg.prompt, config.model_config
+        if getattr(model_config, "is_encoder_decoder", False):
+            raise ConfigError("dp_privacy.prompt: prompt privatization is for decoder-only models")
+        if p.mode == "embeddings":
+            if self._context is not None:
+                raise ConfigError(
+                    "dp_privacy.prompt.mode embeddings cannot be combined with "
+                    "attention.private_context: prompt embeddings cannot be placed after the "
+                    "private context (use mode: tokens)"
+                )
+            if not getattr(model_config, "enable_prompt_embeds", False):
+                raise ConfigError("dp_privacy.prompt.mode embeddings needs --enable-prompt-embeds")
+        require_http_guard("prompt privatization is configured")
+        from transformers import AutoTokenizer
+
+        hf_tokenizer = AutoTokenizer.from_pretrained(  # without vLLM's additions (embeds placeholder)
+            model_config.tokenizer,
+            revision=model_config.tokenizer_revision,
+            trust_remote_code=model_config.trust_remote_code,
+        )
+        placeholder = 0
+        if p.mode == "embeddings":
+            from vllm.renderers.chat_utils import PROMPT_EMBEDS_PLACEHOLDER_TOKEN
+
+            placeholder = self.tokenizer.convert_tokens_to_ids(PROMPT_EMBEDS_PLACEHOLDER_TOKEN)
+        self._prompt, info = build_prompt_privacy(
+            model_config.model,
+            hf_tokenizer,
+            p,
+            cfg.key_file,
+            placeholder_id=placeholder,
+            embed_dtype=model_config.dtype,
+        )
+        self._special = frozenset(special_token_ids(hf_tokenizer))
+        logger.info(
+            "vllm-dp: prompt privatization on (%s, eps=%g, delta=%g per token, mode %s, history "
+            "cache %s, request overrides %s): %s",
+            p.mechanism, p.epsilon, p.delta, p.mode,
+            f"{p.cache_size} segments" if p.cache_history else "off",
+            "allowed" if p.allow_request_override else "refused",
+            info.describe(),
+        )
+
+    # ------------------------------------------------------------------ chat
+
+    def render_messages(self, messages, params):
+        if self._prompt is None:
+            return super().render_messages(messages, params)
+        request, slot, options = self._begin()
+        marked = mark_user_texts(messages)
+        text_params = _text_params(params)
+        conversation, real = super().render_messages(messages, text_params)
+        _, template = super().render_messages(marked.messages, text_params)
+        done = self._privatize_chat(marked, real, template, options)
+        return conversation, self._chat_prompt(done, request, slot)
+
+    async def render_messages_async(self, messages, params):
+        if self._prompt is None:
+            return await super().render_messages_async(messages, params)
+        request, slot, options = self._begin()
+        marked = mark_user_texts(messages)
+        text_params = _text_params(params)
+        conversation, real = await super().render_messages_async(messages, text_params)
+        _, template = await super().render_messages_async(marked.messages, text_params)
+        done = await self._offload(self._privatize_chat, marked, real, template, options)
+        return conversation, self._chat_prompt(done, request, slot)
+
+    def _privatize_chat(self, marked, real, template, options) -> PrivatizedPrompt:
+        for rendered in (real, template):
+            if "prompt" not in rendered or rendered.get("multi_modal_data"):
+                raise ValueError("prompt privatization supports text-only chats")
+        pieces = split_rendered(template["prompt"], marked.sentinels)
+        texts = recover_user_texts(real["prompt"], pieces, marked.texts)
+        segments = chat_segments(pieces, texts, marked.cache_keys, self._encode)
+        return self._prompt.privatize(segments, options)
+
+    def _chat_prompt(self, done: PrivatizedPrompt, request, slot) -> dict:
+        self._record(done.receipt, request, slot)
+        prompt = self._engine_prompt(done)
+        prompt[RECEIPT_MARK] = done.receipt
+        return prompt
+
+    # ------------------------------------------------------------------ completions
+
+    def _tokenize_prompt(self, prompt, params):
+        out = super()._tokenize_prompt(prompt, params)
+        if self._prompt is not None:
+            text = prompt["prompt"]
+            plain = self._encode(text)
+            add = bool(params.get_encode_kwargs().get("add_special_tokens"))
+            full = self.tokenizer(text, add_special_tokens=True)["input_ids"] if add else plain
+            out[FULL_MARK] = (list(full), locate_plain(full, plain, self._special))
+        return out
 
     def process_for_engine(self, prompt, arrival_time, **kwargs):
-        return self._with_context(super().process_for_engine(prompt, arrival_time, **kwargs))
+        receipt = self._privatize_cmpl(prompt, kwargs.get("tok_params"), asynchronous=False)
+        return self._finish(super().process_for_engine(prompt, arrival_time, **kwargs), receipt)
 
     async def process_for_engine_async(self, prompt, arrival_time, **kwargs):
-        return self._with_context(await super().process_for_engine_async(prompt, arrival_time, **kwargs))
+        receipt = self._privatize_cmpl(prompt, kwargs.get("tok_params"), asynchronous=True)
+        if isinstance(receipt, functools.partial):  # the privatization itself, off the event loop
+            receipt = await self._offload(receipt)
+        engine_input = await super().process_for_engine_async(prompt, arrival_time, **kwargs)
+        return self._finish(engine_input, receipt)
+
+    def _privatize_cmpl(self, prompt, tok_params, *, asynchronous: bool):
+        """Completions: replace the private ids of ``prompt`` in place (the receipt, or with
+        ``asynchronous`` a partial computing it). Chat prompts come privatized already."""
+        if self._prompt is None:
+            return None
+        if RECEIPT_MARK in prompt:
+            return prompt.pop(RECEIPT_MARK)
+        if "encoder_prompt" in prompt or prompt.get("multi_modal_data"):
+            raise ValueError("prompt privatization supports text and token-id prompts only")
+        if "prompt_embeds" in prompt:
+            raise ValueError(
+                "prompt embeddings sent by the client would bypass prompt privatization: send "
+                "text, messages or token ids"
+            )
+        ids = list(prompt["prompt_token_ids"])
+        full = prompt.pop(FULL_MARK, None)
+        if full is not None:
+            side = getattr(tok_params, "truncation_side", None) or getattr(self.tokenizer, "truncation_side", None)
+            mask = truncated_mask(full[0], full[1], ids, side)
+        else:
+            mask = [t not in self._special for t in ids]
+        prompt.pop("prompt", None)  # the raw text must not travel on
+        prompt.pop("prompt_token_offsets", None)
+        detokenize = bool(getattr(tok_params, "needs_detokenization", False))  # echo
+        request, slot, options = self._begin()
+        job = functools.partial(self._complete_cmpl, prompt, ids, mask, options, request, slot, detokenize)
+        return job if asynchronous else job()
+
+    def _complete_cmpl(self, prompt, ids, mask, options, request, slot, detokenize) -> PromptReceipt:
+        done = self._prompt.privatize(token_segments(ids, mask, ids), options)
+        self._record(done.receipt, request, slot)
+        prompt.update(self._engine_prompt(done))
+        if detokenize:  # the text of what the engine got, never the user's
+            prompt["prompt"] = self.tokenizer.decode(done.ids)
+        return done.receipt
+
+    # ------------------------------------------------------------------ shared
+
+    def _begin(self):
+        """(request, receipt slot, validated options) for the prompt being rendered."""
+        request = current_request()
+        options = self._prompt.options(request.overrides if request is not None else None)
+        return request, (request.reserve() if request is not None else None), options
+
+    def _engine_prompt(self, done: PrivatizedPrompt) -> dict:
+        if done.embeds is None:
+            return {"prompt_token_ids": done.ids}
+        return {
+            "prompt_token_ids": done.ids,
+            "prompt_embeds": done.embeds,
+            "prompt_is_token_ids": [not private for private in done.mask],
+        }
+
+    def _record(self, receipt: PromptReceipt, request, slot) -> None:
+        if request is not None:
+            request.receipts[slot] = receipt.to_json()
+        logger.info("vllm-dp: prompt privatized %s", receipt_log_line(receipt))
+
+    def _finish(self, engine_input, receipt):
+        engine_input = self._with_context(engine_input)
+        if receipt is not None:
+            ids = engine_input.get("prompt_token_ids")
+            if ids is not None:
+                self._recent[_ids_key(ids)] = receipt.to_json()
+                self._recent.move_to_end(_ids_key(ids))
+                while len(self._recent) > RECENT_RECEIPTS:
+                    self._recent.popitem(last=False)
+        return engine_input
+
+    def prompt_receipt(self, prompt_token_ids) -> dict | None:
+        """The receipt of the latest prompt the engine received as ``prompt_token_ids`` (e.g. a
+        ``RequestOutput.prompt_token_ids`` of ``LLM``); None if unknown (or evicted)."""
+        return self._recent.get(_ids_key(prompt_token_ids))
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    async def _offload(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(fn, *args))
 
     def _with_context(self, engine_input):
         if self._context is None:
@@ -55,17 +283,27 @@ class DPRenderer(HfRenderer):
         return engine_input
 
 
-def require_http_guard() -> None:
-    """Refuse to serve a private context unless the HTTP guard (endpoint plugin) can load.
+def _text_params(params):
+    """The chat params with ``tokenize=False``: the user segments are located in the text."""
+    return dataclasses.replace(params, chat_template_kwargs={**params.chat_template_kwargs, "tokenize": False})
+
+
+def _ids_key(ids) -> str:
+    return hashlib.sha256(",".join(str(int(t)) for t in ids).encode("ascii")).hexdigest()
+
+
+def require_http_guard(why: str) -> None:
+    """Refuse to serve unless the HTTP guard (endpoint plugin) can load.
 
     vLLM loads endpoint plugins only when ``VLLM_PLUGINS`` names them; without the guard the
-    OpenAI server would honour echo/prompt_logprobs/return_token_ids and reveal the context.
+    OpenAI server would honour echo/prompt_logprobs/return_token_ids and reveal the private
+    context, ignore per-request prompt privacy options and return no receipts.
     """
     allowed = os.environ.get("VLLM_PLUGINS")
     if allowed is None or PLUGIN_NAME not in allowed.split(","):
         raise ConfigError(
-            "a private context is configured but VLLM_PLUGINS does not name "
-            f"{PLUGIN_NAME!r}, so vLLM would not load the HTTP guard that refuses echo, "
-            f"prompt_logprobs and return_token_ids: export VLLM_PLUGINS={PLUGIN_NAME} "
-            "(`vllm-dp serve` does this)"
+            f"{why} but VLLM_PLUGINS does not name {PLUGIN_NAME!r}, so vLLM would not load the "
+            "HTTP guard (refuses echo, prompt_logprobs, return_token_ids with a private context; "
+            "validates prompt privacy options and returns receipts): export "
+            f"VLLM_PLUGINS={PLUGIN_NAME} (`vllm-dp serve` does this)"
         )

@@ -131,3 +131,20 @@ def budget_payload(vllm_config) -> dict:
         report = context_plan(vllm_config, "self_attention", context.length).report()
         report["context"] = f"private_context {context.context_id[:12]}"
     return {"enabled": True, "contexts": [report]}
+
+
+def prompt_payload(prompt_cfg) -> dict:
+    """What ``GET /v1/dp/budget`` says about prompt privatization (``dp_privacy.prompt``): the
+    server's per-token defaults and what requests may change. Spending is per request (receipts)."""
+    return {
+        "enabled": True,
+        "unit": "one token of user-authored prompt content (replace-one, any token <-> any token)",
+        "mechanism": prompt_cfg.mechanism,
+        "epsilon_token": prompt_cfg.epsilon,
+        "delta_token": prompt_cfg.delta,
+        "mode": prompt_cfg.mode,
+        "allow_request_override": prompt_cfg.allow_request_override,
+        "max_epsilon": prompt_cfg.max_epsilon,
+        "cache_history": prompt_cfg.cache_history,
+        "receipts": "per request: header x-dp-prompt-receipts and field dp_prompt_receipts",
+    }
