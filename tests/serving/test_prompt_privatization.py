@@ -431,3 +431,24 @@ def test_prompt_refusal_reads_only_options():
     assert prompt_refusal({"vllm_xargs": {"dp_epsilon": 1e9}}, cfg) is None  # no cap configured
     refusal = forbidden_request("/v1/chat/completions", {"kv_transfer_params": {"prompt_token_ids": [1]}})
     assert refusal is not None and refusal[0] == 400  # also closed for the private context
+
+
+def test_endpoint_state_refuses_prompt_privacy_without_the_renderer():
+    import asyncio
+    from types import SimpleNamespace
+
+    pytest.importorskip("fastapi")
+    from vllm_dp_plugin.config import ConfigError
+    from vllm_dp_plugin.serving.http import DPPrivacyEndpoints
+
+    def engine(mode):
+        model = SimpleNamespace(tokenizer_mode=mode)
+        config = SimpleNamespace(model_config=model, additional_config={"dp_privacy": {"prompt": {}}})
+        return SimpleNamespace(vllm_config=config)
+
+    state = SimpleNamespace()
+    with pytest.raises(ConfigError, match="needs --tokenizer-mode dp_private"):
+        asyncio.run(DPPrivacyEndpoints().init_state(engine("auto"), state, None))
+    asyncio.run(DPPrivacyEndpoints().init_state(engine("dp_private"), state, None))
+    assert state.dp_prompt.epsilon == 10.0 and not state.dp_guard
+    assert state.dp_budget["prompt"]["mechanism"] == "trlap_corrected" and not state.dp_budget["enabled"]
