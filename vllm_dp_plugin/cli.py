@@ -9,6 +9,7 @@
                                                 privatize a text token by token, show the receipt
     vllm-dp bench attention [options]           DP attention vs exact attention benchmark
     vllm-dp bench serve [options]               serving throughput/latency with DP on and off
+    vllm-dp bench prompt [options]              prompt privatization utility vs eps (MiniLM)
 """
 
 from __future__ import annotations
@@ -83,6 +84,13 @@ def build_parser() -> argparse.ArgumentParser:
         add_help=False,
     )
     serve_bench.set_defaults(handler=_bench_serve)
+    prompt_bench = suites.add_parser(
+        "prompt",
+        help="prompt privatization: token preservation and sentence cosine vs eps, true delta",
+        description="Options are parsed by the suite (see `vllm-dp bench prompt --help`).",
+        add_help=False,
+    )
+    prompt_bench.set_defaults(handler=_bench_prompt)
     return parser
 
 
@@ -142,6 +150,12 @@ def _bench_attention(args: argparse.Namespace, rest: list[str]) -> int:
 
 def _bench_serve(args: argparse.Namespace, rest: list[str]) -> int:
     from .benchmarks.serve import main as bench_main
+
+    return bench_main(rest)
+
+
+def _bench_prompt(args: argparse.Namespace, rest: list[str]) -> int:
+    from .benchmarks.prompt import main as bench_main
 
     return bench_main(rest)
 
