@@ -38,12 +38,23 @@ def test_config_becomes_additional_config_and_tokenizer_mode_with_absolute_paths
     "extra,match",
     [
         (["--additional-config", "{}"], "not both"),
-        (["--tokenizer-mode", "hf"], "needs --tokenizer-mode dp_private"),
+        (["--tokenizer-mode", "hf"], "dp_private is required by a private context"),
     ],
 )
 def test_conflicting_flags_are_refused(dp_yaml, extra, match):
     with pytest.raises(ConfigError, match=match):
         serve_arguments(["MODEL", *extra], str(dp_yaml))
+
+
+@pytest.mark.parametrize("mode,embeds", [("tokens", False), ("embeddings", True)])
+def test_prompt_only_config_gets_the_renderer(tmp_path, mode, embeds):
+    path = tmp_path / "prompt.yaml"
+    path.write_text(yaml.safe_dump({"dp_privacy": {"prompt": {"epsilon": 10.0, "mode": mode}}}))
+    args = serve_arguments(["MODEL"], str(path))
+    assert args[args.index("--tokenizer-mode") + 1] == TOKENIZER_MODE
+    assert ("--enable-prompt-embeds" in args) == embeds
+    with pytest.raises(ConfigError, match="required by prompt privatization"):
+        serve_arguments(["MODEL", "--tokenizer-mode", "auto"], str(path))
 
 
 def test_plugin_allowlist(monkeypatch):

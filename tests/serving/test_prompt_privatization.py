@@ -452,3 +452,24 @@ def test_endpoint_state_refuses_prompt_privacy_without_the_renderer():
     asyncio.run(DPPrivacyEndpoints().init_state(engine("dp_private"), state, None))
     assert state.dp_prompt.epsilon == 10.0 and not state.dp_guard
     assert state.dp_budget["prompt"]["mechanism"] == "trlap_corrected" and not state.dp_budget["enabled"]
+
+
+def test_every_engine_refuses_prompt_privacy_without_the_renderer(monkeypatch):
+    """The worker-side check (attention backend init: LLM and plain `vllm serve` without the
+    HTTP plugin) refuses the same misconfiguration, and the Rust frontend."""
+    from types import SimpleNamespace
+
+    from vllm_dp_plugin.config import ConfigError, DPPrivacyConfig
+    from vllm_dp_plugin.serving.settings import check_prompt_serving
+
+    def vllm_config(mode):
+        return SimpleNamespace(model_config=SimpleNamespace(tokenizer_mode=mode))
+
+    cfg = DPPrivacyConfig.from_dict({"prompt": {}})
+    with pytest.raises(ConfigError, match="needs --tokenizer-mode dp_private"):
+        check_prompt_serving(vllm_config("auto"), cfg)
+    check_prompt_serving(vllm_config("dp_private"), cfg)
+    check_prompt_serving(vllm_config("auto"), DPPrivacyConfig.from_dict({}))  # no prompt section
+    monkeypatch.setenv("VLLM_USE_RUST_FRONTEND", "1")
+    with pytest.raises(ConfigError, match="Rust frontend"):
+        check_prompt_serving(vllm_config("dp_private"), cfg)

@@ -37,6 +37,7 @@ from ..attention.private_context import HeadLayout, PrivateContextLayer
 from ..privacy.keyed_noise import NoiseKey, context_id
 from .settings import (
     budget_payload,
+    check_prompt_serving,
     check_serving,
     context_plan,
     dp_config,
@@ -73,6 +74,7 @@ class DPImplMixin:
     def _dp_init(self) -> None:
         vllm_config = get_current_vllm_config()
         cfg = dp_config(vllm_config)
+        check_prompt_serving(vllm_config, cfg)  # also without the HTTP plugin (LLM, plain vllm serve)
         self._dp_on = cfg.enabled and self.attn_type in (AttentionType.DECODER, AttentionType.ENCODER_DECODER)
         enc_dec = bool(getattr(vllm_config.model_config, "is_encoder_decoder", False))
         if enc_dec and self.attn_type == AttentionType.DECODER:

@@ -23,9 +23,8 @@ import logging
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from ..config import ConfigError
 from ..prompt.session import PromptRequest, bound_request, option_overrides, resolve_options
-from .settings import PLUGIN_NAME, TOKENIZER_MODE, budget_payload, dp_config, prompt_payload
+from .settings import PLUGIN_NAME, budget_payload, check_prompt_serving, dp_config, prompt_payload
 
 logger = logging.getLogger("vllm.dp_privacy")  # inherits vLLM's log handler
 
@@ -217,11 +216,7 @@ class DPPrivacyEndpoints:
             return
         vllm_config = engine_client.vllm_config
         cfg = dp_config(vllm_config)
-        if cfg.prompt is not None and vllm_config.model_config.tokenizer_mode != TOKENIZER_MODE:
-            raise ConfigError(
-                f"dp_privacy.prompt needs --tokenizer-mode {TOKENIZER_MODE} (the renderer that "
-                "privatizes prompts); without it prompts would reach the engine unprivatized"
-            )
+        check_prompt_serving(vllm_config, cfg)
         state.dp_budget = budget_payload(vllm_config)
         if cfg.prompt is not None:
             state.dp_budget["prompt"] = prompt_payload(cfg.prompt)

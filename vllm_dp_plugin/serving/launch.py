@@ -52,8 +52,10 @@ def resolved_config(path: str | Path) -> dict:
 
 
 def serve_arguments(argv: list[str], dp_config: str | None) -> list[str]:
-    """``vllm serve`` arguments: ``argv`` plus, for ``dp_config``, ``--additional-config`` and
-    ``--tokenizer-mode dp_private`` (private context). Refuses conflicting flags."""
+    """``vllm serve`` arguments: ``argv`` plus, for ``dp_config``, ``--additional-config``,
+    ``--tokenizer-mode dp_private`` (private context or prompt privatization) and
+    ``--enable-prompt-embeds`` (prompt privatization in embeddings mode). Refuses conflicting
+    flags."""
     allow_plugin()
     if dp_config is None:
         return argv
@@ -61,13 +63,17 @@ def serve_arguments(argv: list[str], dp_config: str | None) -> list[str]:
         raise ConfigError("give either --dp-config or --additional-config, not both")
     raw = resolved_config(dp_config)
     flags = ["--additional-config", json.dumps({CONFIG_KEY: raw})]
-    att = raw.get("attention") or {}
-    if att.get("private_context") is not None:
+    att, prompt = raw.get("attention") or {}, raw.get("prompt")
+    needs = [why for why, on in (("a private context", att.get("private_context") is not None),
+                                 ("prompt privatization", prompt is not None)) if on]
+    if needs:
         modes = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--tokenizer-mode"]
         if any(m != TOKENIZER_MODE for m in modes):
-            raise ConfigError(f"a private context needs --tokenizer-mode {TOKENIZER_MODE}, got {modes}")
+            raise ConfigError(f"--tokenizer-mode {TOKENIZER_MODE} is required by {' and '.join(needs)}, got {modes}")
         if not modes:
             flags += ["--tokenizer-mode", TOKENIZER_MODE]
+    if (prompt or {}).get("mode") == "embeddings" and "--enable-prompt-embeds" not in argv:
+        flags.append("--enable-prompt-embeds")
     _calibrate_if_missing(argv, att)
     return [*argv, *flags]
 

@@ -57,13 +57,31 @@ class ModelShape:
         )
 
 
-def check_serving(vllm_config, cfg: DPPrivacyConfig) -> None:
-    """Refuse configurations that would serve without the promised privacy."""
+def check_rust_frontend() -> None:
     if os.environ.get("VLLM_USE_RUST_FRONTEND", "0").lower() in ("1", "true"):
         raise ConfigError(
-            "dp_privacy: the Rust frontend (VLLM_USE_RUST_FRONTEND=1) bypasses the private-context "
-            "renderer; unset it"
+            "dp_privacy: the Rust frontend (VLLM_USE_RUST_FRONTEND=1) bypasses the dp_private "
+            "renderer (private context, prompt privatization); unset it"
         )
+
+
+def check_prompt_serving(vllm_config, cfg: DPPrivacyConfig) -> None:
+    """Refuse a ``prompt`` section that the served engine would not apply (no dp_private
+    renderer: prompts would reach the engine unprivatized). Called by the attention backend in
+    every engine (``LLM`` and ``vllm serve`` alike) and by the HTTP endpoint plugin."""
+    if cfg.prompt is None:
+        return
+    check_rust_frontend()
+    if vllm_config.model_config.tokenizer_mode != TOKENIZER_MODE:
+        raise ConfigError(
+            f"dp_privacy.prompt needs --tokenizer-mode {TOKENIZER_MODE} (the renderer that "
+            "privatizes prompts); without it prompts would reach the engine unprivatized"
+        )
+
+
+def check_serving(vllm_config, cfg: DPPrivacyConfig) -> None:
+    """Refuse DP-attention configurations that would serve without the promised privacy."""
+    check_rust_frontend()
     att = cfg.attention
     model_config = vllm_config.model_config
     enc_dec = bool(getattr(model_config, "is_encoder_decoder", False))
