@@ -55,6 +55,23 @@ def test_account_command_prints_budget(tmp_path, capsys):
     assert "spent per private context (pld composition)" in out
 
 
+@pytest.mark.parametrize(
+    "prompt,expect",
+    [
+        ({"epsilon": 12.0}, "trlap_corrected: (12, 1e-06)-DP per token"),
+        ({"mechanism": "trlap_paper"}, "the claimed delta is NOT valid"),
+        ({"mechanism": "cmp", "epsilon": 3.0}, "metric DP, eps = 3 per unit embedding distance"),
+    ],
+)
+def test_account_command_states_prompt_privatization(tmp_path, capsys, prompt, expect):
+    path = tmp_path / "dp.yaml"
+    path.write_text(yaml.safe_dump({"dp_privacy": {"prompt": prompt}}))
+    assert main(["account", "--config", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "Prompt privatization of user-authored tokens" in out and expect in out
+    assert "DP is off" not in out and "DP attention" not in out
+
+
 def test_account_command_bad_config_exits_2(tmp_path, capsys):
     path = tmp_path / "dp.yaml"
     path.write_text(yaml.safe_dump({"dp_privacy": {"attention": {"epsilon": -1, "delta": 1e-6}}}))

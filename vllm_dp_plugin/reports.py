@@ -4,15 +4,50 @@ from __future__ import annotations
 
 import math
 
-from .config import AttentionPrivacyConfig, DPPrivacyConfig
+from .config import AttentionPrivacyConfig, DPPrivacyConfig, PromptPrivacyConfig
 from .privacy.budget import plan_releases
 
 
 def budget_report(config: DPPrivacyConfig) -> str:
     """What each configured feature spends, per release and in total."""
-    if not config.enabled:
-        return "dp_privacy configures nothing: no privacy budget is spent (DP is off)."
-    return attention_report(config.attention)
+    parts = []
+    if config.attention is not None:
+        parts.append(attention_report(config.attention))
+    if config.prompt is not None:
+        parts.append(prompt_report(config.prompt))
+    return "\n\n".join(parts) or "dp_privacy configures nothing: no privacy budget is spent (DP is off)."
+
+
+PAPER_MODES = {"trlap_paper", "trlap_repro"}
+METRIC_MODES = {"mahalanobis", "cmp"}
+
+
+def prompt_report(prompt: PromptPrivacyConfig) -> str:
+    """The per-token statement of prompt privatization; what a prompt of n user tokens spends
+    (basic composition: n eps, n delta). The exact per-token statement needs the served model's
+    embedding table (sensitivities, and the true delta of the paper calibrations): it is logged
+    at serving start and returned in every request's receipt."""
+    eps, delta = prompt.epsilon, prompt.delta
+    if prompt.mechanism in PAPER_MODES:
+        guarantee = (f"{prompt.mechanism} (paper-literal reproduction): the claimed delta is NOT "
+                     "valid for d > 1; the true delta is computed from the served table at start")
+    elif prompt.mechanism in METRIC_MODES:
+        guarantee = (f"{prompt.mechanism}: metric DP, eps = {eps:g} per unit embedding distance "
+                     "(eps_DP = eps x the table's l2 diameter, in the receipt)")
+    else:
+        guarantee = f"{prompt.mechanism}: ({eps:g}, {delta:g})-DP per token"
+    return "\n".join(
+        [
+            "Prompt privatization of user-authored tokens",
+            ("  unit of privacy: one user token (replace-one, any token <-> any token); length, "
+            "positions and template are not protected"),
+            f"  per token: {guarantee}",
+            (f"  a prompt of n user tokens (basic composition): ({eps:g} n, {delta:g} n); receipts "
+            "also give advanced composition and count cached (reused) turns once"),
+            f"  requests may override mechanism/epsilon: {prompt.allow_request_override}"
+            + (f" (epsilon <= {prompt.max_epsilon:g})" if prompt.max_epsilon is not None else ""),
+        ]
+    )
 
 
 def attention_report(att: AttentionPrivacyConfig) -> str:
