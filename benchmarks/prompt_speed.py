@@ -374,7 +374,7 @@ def render_markdown(results: dict) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m vllm_dp_plugin.benchmarks.prompt_speed",
+        prog="vllm-dp bench prompt-speed",
         description="Privatized-token throughput: nearest-candidate step and TokenPrivatizer.",
     )
     p.add_argument(

@@ -223,29 +223,37 @@ def _run(cmd: list[str], env: dict, log: Path, timeout: int = 1800) -> None:
 # --------------------------------------------------------------------------- latency
 def latency_rows(config: str, prefix_len: int, s: Settings, work: Path) -> list[dict]:
     """Start ``vllm serve`` for one config, run ``vllm bench serve`` at each concurrency."""
+    return served_latency(config, s.model, config_flags(config, prefix_len, work, s), config_env(config),
+                          dataset_flags(config, prefix_len, s, "serve"), s.concurrencies, s.serve_prompts,
+                          work, {"prefix_len": prefix_len})
+
+
+LATENCY_KEYS = ("mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms",
+                "p99_tpot_ms", "request_throughput", "output_throughput")
+
+
+def served_latency(label: str, model: str, server_flags: list[str], env: dict, dataset: list[str],
+                   concurrencies: Sequence[int], num_prompts: int, work: Path, extra: dict) -> list[dict]:
+    """``vllm serve model *server_flags`` (env ``env``), then ``vllm bench serve`` on
+    ``/v1/completions`` with ``dataset`` flags at each concurrency; one row per concurrency:
+    ``{"config": label, **extra, "concurrency": c, <LATENCY_KEYS> (ms, req/s, tok/s)}``."""
     port = _free_port()
-    log = work / f"serve-{config}.log"
-    cmd = [*LAUNCH, "serve", s.model, "--host", "127.0.0.1", "--port", str(port), *ENGINE_FLAGS,
-           *config_flags(config, prefix_len, work, s)]
+    log = work / f"serve-{label}.log"
+    cmd = [*LAUNCH, "serve", model, "--host", "127.0.0.1", "--port", str(port), *ENGINE_FLAGS, *server_flags]
     with log.open("w") as handle:
-        server = subprocess.Popen(cmd, env=config_env(config), stdout=handle, stderr=subprocess.STDOUT,
-                                  start_new_session=True)
+        server = subprocess.Popen(cmd, env=env, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         _wait_healthy(f"http://127.0.0.1:{port}", server, log)
         rows = []
-        for concurrency in s.concurrencies:
-            name = f"latency-{config}-c{concurrency}.json"
+        for concurrency in concurrencies:
+            name = f"latency-{label}-c{concurrency}.json"
             bench = [*LAUNCH, "bench", "serve", "--backend", "openai", "--endpoint", "/v1/completions",
-                     "--base-url", f"http://127.0.0.1:{port}", "--model", s.model,
-                     "--num-prompts", str(s.serve_prompts), "--max-concurrency", str(concurrency),
-                     "--save-result", "--result-dir", str(work), "--result-filename", name,
-                     *dataset_flags(config, prefix_len, s, "serve")]
-            _run(bench, config_env(config), work / f"{name}.log")
+                     "--base-url", f"http://127.0.0.1:{port}", "--model", model,
+                     "--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency),
+                     "--save-result", "--result-dir", str(work), "--result-filename", name, *dataset]
+            _run(bench, env, work / f"{name}.log")
             data = json.loads((work / name).read_text())
-            rows.append({"config": config, "prefix_len": prefix_len, "concurrency": concurrency,
-                         **{k: data[k] for k in ("mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms",
-                                                 "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms",
-                                                 "request_throughput", "output_throughput")}})
+            rows.append({"config": label, **extra, "concurrency": concurrency, **{k: data[k] for k in LATENCY_KEYS}})
         return rows
     finally:
         os.killpg(server.pid, signal.SIGTERM)

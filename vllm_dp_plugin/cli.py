@@ -10,6 +10,8 @@
     vllm-dp bench attention [options]           DP attention vs exact attention benchmark
     vllm-dp bench serve [options]               serving throughput/latency with DP on and off
     vllm-dp bench prompt [options]              prompt privatization utility vs eps (MiniLM)
+    vllm-dp bench prompt-ttft [options]         prompt privatization overhead on vLLM TTFT
+    vllm-dp bench prompt-speed [options]        privatized tokens/s (CPU; GPU: benchmarks/gpu/prompt.sh)
 """
 
 from __future__ import annotations
@@ -18,6 +20,14 @@ import argparse
 import sys
 
 from .config import ConfigError, DPPrivacyConfig
+
+BENCH_SUITES = {  # `vllm-dp bench SUITE` -> (module in vllm_dp_plugin.benchmarks, help)
+    "attention": ("attention", "DP cross-attention (state, tree) vs exact attention: accuracy, real heads, speed"),
+    "serve": ("serve", "vLLM bench throughput/serve: stock vs plugin loaded vs DP state/tree"),
+    "prompt": ("prompt", "prompt privatization: token preservation and sentence cosine vs eps, true delta"),
+    "prompt-ttft": ("prompt_ttft", "prompt privatization: overhead on vLLM time to first token"),
+    "prompt-speed": ("prompt_speed", "prompt privatization: privatized tokens/s (nearest candidate, privatizer)"),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,27 +80,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="run a benchmark suite (see `vllm-dp bench SUITE --help`)")
     suites = bench.add_subparsers(dest="suite", required=True, metavar="SUITE")
-    attention = suites.add_parser(
-        "attention",
-        help="DP cross-attention (state, tree) vs exact attention: accuracy, real heads, speed",
-        description="Options are parsed by the suite (see `vllm-dp bench attention --help`).",
-        add_help=False,
-    )
-    attention.set_defaults(handler=_bench_attention)
-    serve_bench = suites.add_parser(
-        "serve",
-        help="vLLM bench throughput/serve: stock vs plugin loaded vs DP state/tree",
-        description="Options are parsed by the suite (see `vllm-dp bench serve --help`).",
-        add_help=False,
-    )
-    serve_bench.set_defaults(handler=_bench_serve)
-    prompt_bench = suites.add_parser(
-        "prompt",
-        help="prompt privatization: token preservation and sentence cosine vs eps, true delta",
-        description="Options are parsed by the suite (see `vllm-dp bench prompt --help`).",
-        add_help=False,
-    )
-    prompt_bench.set_defaults(handler=_bench_prompt)
+    for suite, (module, summary) in BENCH_SUITES.items():
+        runner = suites.add_parser(
+            suite, help=summary, add_help=False,
+            description=f"Options are parsed by the suite (see `vllm-dp bench {suite} --help`).",
+        )
+        runner.set_defaults(handler=_bench, module=module)
     return parser
 
 
@@ -142,22 +137,11 @@ def _privatize(args: argparse.Namespace, rest: list[str]) -> int:
     return 0
 
 
-def _bench_attention(args: argparse.Namespace, rest: list[str]) -> int:
-    from .benchmarks.attention import main as bench_main
+def _bench(args: argparse.Namespace, rest: list[str]) -> int:
+    """Run ``vllm_dp_plugin.benchmarks.<args.module>.main(rest)``."""
+    import importlib
 
-    return bench_main(rest)
-
-
-def _bench_serve(args: argparse.Namespace, rest: list[str]) -> int:
-    from .benchmarks.serve import main as bench_main
-
-    return bench_main(rest)
-
-
-def _bench_prompt(args: argparse.Namespace, rest: list[str]) -> int:
-    from .benchmarks.prompt import main as bench_main
-
-    return bench_main(rest)
+    return importlib.import_module(f".benchmarks.{args.module}", __package__).main(rest)
 
 
 if __name__ == "__main__":

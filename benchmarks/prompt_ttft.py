@@ -1,0 +1,132 @@
+"""``vllm-dp bench prompt-ttft``: what prompt privatization adds to vLLM's time to first token.
+
+``vllm bench serve`` (dataset ``random``: ``--input-len`` tokens, 512 by default, ``--output-len``
+4, concurrency 1) against ``vllm serve`` of the same model in two configurations:
+
+* ``stock``: ``VLLM_PLUGINS=""``;
+* ``prompt``: ``dp_privacy.prompt`` with ``--tokenizer-mode dp_private`` (mechanism
+  ``--mechanism``, default ``trlap_corrected``, eps ``--epsilon`` per token). A completion
+  prompt is user content, so every one of its tokens is privatized in the API server before the
+  engine sees it.
+
+The two servers run ``--repeats`` times, interleaved; the median over runs of the mean TTFT is
+compared. Target (issue 5): overhead <= 10% on CPU for 512-token prompts with the demo model.
+Writes ``prompt-ttft-<device>-<date>.{md,json}`` into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+from vllm_dp_plugin.benchmarks.serve import DEFAULT_OUT, config_env, served_latency
+
+TARGET_OVERHEAD = 0.10  # (prompt TTFT / stock TTFT) - 1, CPU, demo model, 512-token prompts
+
+
+def config_of(name: str, args: argparse.Namespace, work: Path) -> tuple[list[str], dict]:
+    """(server flags, environment) of ``stock`` or ``prompt``."""
+    if name == "stock":
+        return [], config_env("stock")
+    section = {"key_file": str(work / "noise.key"),
+               "prompt": {"mechanism": args.mechanism, "epsilon": args.epsilon}}
+    flags = ["--tokenizer-mode", "dp_private", "--additional-config", json.dumps({"dp_privacy": section})]
+    return flags, config_env("dp_prompt")
+
+
+def measure(args: argparse.Namespace, work: Path) -> list[dict]:
+    """Every run's latency row, runs interleaved (stock, prompt, stock, prompt, ...)."""
+    from tqdm import tqdm
+
+    dataset = ["--dataset-name", "random", "--random-input-len", str(args.input_len),
+               "--random-output-len", str(args.output_len), "--random-range-ratio", "0"]
+    jobs = [(r, name) for r in range(args.repeats) for name in ("stock", "prompt")]
+    rows = []
+    for run, name in tqdm(jobs, desc="bench serve", unit="server"):
+        flags, env = config_of(name, args, work)
+        rows += served_latency(f"{name}-{run}", args.model, flags, env, dataset, (1,), args.num_prompts,
+                               work, {"run": run})
+    for row in rows:
+        row["config"] = row["config"].rsplit("-", 1)[0]
+    return rows
+
+
+def summary(rows: list[dict]) -> dict:
+    """Median over runs of each config's mean and median TTFT (ms), and the overhead."""
+    out = {}
+    for name in ("stock", "prompt"):
+        mine = [r for r in rows if r["config"] == name]
+        out[name] = {k: statistics.median(r[k] for r in mine) for k in ("mean_ttft_ms", "median_ttft_ms")}
+        out[name]["runs_mean_ttft_ms"] = [r["mean_ttft_ms"] for r in mine]
+    out["overhead"] = out["prompt"]["mean_ttft_ms"] / out["stock"]["mean_ttft_ms"] - 1.0
+    out["verdict"] = "PASS" if out["overhead"] <= TARGET_OVERHEAD else "FAIL"
+    return out
+
+
+def markdown(args: argparse.Namespace, summ: dict, meta: dict) -> str:
+    def row(name: str) -> str:
+        runs = ", ".join(f"{t:.1f}" for t in summ[name]["runs_mean_ttft_ms"])
+        return f"| {name} | {summ[name]['mean_ttft_ms']:.1f} | {summ[name]['median_ttft_ms']:.1f} | {runs} |"
+
+    return "\n".join([
+        f"# vllm-dp bench prompt-ttft ({meta['device']}, {meta['date']})", "",
+        (f"Command: `{meta['command']}`. Model `{args.model}`; `vllm bench serve`, dataset random, "
+        f"{args.input_len} prompt tokens (all privatized), {args.output_len} output tokens, concurrency 1, "
+        f"{args.num_prompts} prompts per run, {args.repeats} interleaved runs per config (median reported). "
+        f"`prompt`: mechanism `{args.mechanism}`, eps {args.epsilon:g} per token."), "",
+        "| config | mean TTFT (ms) | median TTFT (ms) | mean TTFT of each run (ms) |", "|---|---|---|---|",
+        row("stock"), row("prompt"), "",
+        (f"Overhead of prompt privatization on mean TTFT: **{100 * summ['overhead']:+.1f}%** "
+        f"(target <= {100 * TARGET_OVERHEAD:.0f}%): {summ['verdict']}."), "",
+    ])
+
+
+def build_parser(prog: str = "vllm-dp bench prompt-ttft") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=".demo/llama", help="model dir (demo Llama built if missing)")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    p.add_argument("--input-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=4)
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=2, help="runs per config, interleaved; median reported")
+    p.add_argument("--mechanism", default="trlap_corrected")
+    p.add_argument("--epsilon", type=float, default=10.0, help="per-token epsilon")
+    p.add_argument("--quick", action="store_true", help="smoke run: 64-token prompts, 4 prompts, 1 run")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    if args.quick:
+        args.input_len, args.num_prompts, args.repeats = 64, 4, 1
+    if not (Path(args.model) / "config.json").exists():
+        from vllm_dp_plugin.demo import make_demo_llama
+
+        make_demo_llama(args.model)
+    work = Path(tempfile.mkdtemp(prefix="vllm-dp-bench-ttft-"))
+    rows = measure(args, work)
+    summ = summary(rows)
+    date = datetime.date.today().isoformat()
+    meta = {"date": date, "device": f"cpu-{os.cpu_count()}core", "platform": platform.platform(),
+            "command": "vllm-dp bench prompt-ttft " + " ".join(argv), "work_dir": str(work)}
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / f"prompt-ttft-{meta['device']}-{date}"
+    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "settings": {
+        k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "runs": rows, "summary": summ},
+        indent=1))
+    stem.with_suffix(".md").write_text(markdown(args, summ, meta))
+    print(stem.with_suffix(".md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

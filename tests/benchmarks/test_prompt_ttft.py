@@ -1,0 +1,38 @@
+"""`vllm-dp bench prompt-ttft`: configurations, summary and CLI routing (the run itself starts
+two vLLM servers per repeat and is exercised by the benchmark, not here)."""
+
+import argparse
+import json
+
+import pytest
+
+from vllm_dp_plugin.benchmarks.prompt_ttft import config_of, summary
+from vllm_dp_plugin.cli import BENCH_SUITES, main
+from vllm_dp_plugin.config import DPPrivacyConfig
+
+
+def test_prompt_config_is_a_valid_dp_private_server(tmp_path):
+    args = argparse.Namespace(mechanism="laplace", epsilon=7.0)
+    flags, env = config_of("prompt", args, tmp_path)
+    assert flags[flags.index("--tokenizer-mode") + 1] == "dp_private" and env["VLLM_PLUGINS"] == "dp_privacy"
+    cfg = DPPrivacyConfig.from_dict(json.loads(flags[flags.index("--additional-config") + 1])["dp_privacy"])
+    assert cfg.prompt.mechanism == "laplace" and cfg.prompt.epsilon == 7.0 and cfg.attention is None
+    flags, env = config_of("stock", args, tmp_path)
+    assert flags == [] and env["VLLM_PLUGINS"] == ""
+
+
+def test_summary_takes_the_median_run_and_judges_the_overhead():
+    rows = [{"config": c, "mean_ttft_ms": t, "median_ttft_ms": t} for c, t in
+            [("stock", 10.0), ("prompt", 10.5), ("stock", 30.0), ("prompt", 11.5), ("stock", 12.0), ("prompt", 12.9)]]
+    out = summary(rows)
+    assert out["stock"]["mean_ttft_ms"] == 12.0 and out["prompt"]["mean_ttft_ms"] == 11.5
+    assert out["overhead"] == pytest.approx(11.5 / 12.0 - 1) and out["verdict"] == "PASS"
+    rows[1]["mean_ttft_ms"] = rows[3]["mean_ttft_ms"] = 20.0
+    assert summary(rows)["verdict"] == "FAIL"
+
+
+@pytest.mark.parametrize("suite", sorted(BENCH_SUITES))
+def test_every_bench_suite_is_routed(suite, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", suite, "--help"])
+    assert exit_.value.code == 0 and f"vllm-dp bench {suite}" in capsys.readouterr().out
