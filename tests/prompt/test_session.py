@@ -376,3 +376,19 @@ def test_privatize_command_minilm(capsys):
     out = capsys.readouterr().out
     assert "29523 candidates (999 special ids excluded), d=384" in out  # [unusedN] are reserved
     assert "privatized: 'my card number'" in out and '"mechanism": "trlap_corrected"' in out
+
+
+def test_privatizers_of_one_table_share_one_candidate_index():
+    """Every (mechanism, eps) privatizer reuses the service's index (one table copy in memory)."""
+    import torch as _torch
+
+    from vllm_dp_plugin.config import PromptPrivacyConfig
+    from vllm_dp_plugin.prompt import EmbeddingTable
+    from vllm_dp_plugin.prompt.session import PromptPrivacy, resolve_options
+
+    table = EmbeddingTable.build(_torch.randn(50, 8, generator=_torch.Generator().manual_seed(0)), 50, [0])
+    cfg = PromptPrivacyConfig()
+    service = PromptPrivacy(table, cfg)
+    a = service.privatizer(resolve_options({"dp_epsilon": 5.0}, cfg))
+    b = service.privatizer(resolve_options({"dp_mechanism": "laplace"}, cfg))
+    assert a is not b and a.index is b.index

@@ -92,11 +92,17 @@ def make_receipt(guarantee: TokenGuarantee, count: int, advanced_slack: float) -
     )
 
 
+def candidate_index(table: EmbeddingTable, fast_dtype: torch.dtype = torch.float32) -> CandidateIndex:
+    """The nearest-candidate index over ``table``'s clipped candidate rows (public data only)."""
+    return CandidateIndex.build(table.candidates, table.clipped[table.candidates], fast_dtype)
+
+
 class TokenPrivatizer:
     """Privatizes the masked tokens of a prompt with ``mechanism`` over ``table``'s candidates.
 
     ``topk``/``chunk``/``fast_dtype``/``fast_pass`` configure the nearest-candidate search
-    (``nearest.CandidateIndex``); they affect utility and speed, never privacy.
+    (``nearest.CandidateIndex``); they affect utility and speed, never privacy. ``index``: an
+    index of ``table``'s candidates to share between privatizers (built here when None).
     ``advanced_slack``: the delta' of advanced composition in receipts.
     """
 
@@ -110,6 +116,7 @@ class TokenPrivatizer:
         fast_dtype: torch.dtype = torch.float32,
         fast_pass: FastPass = fast_topk_torch,
         advanced_slack: float = 1e-6,
+        index: CandidateIndex | None = None,
     ) -> None:
         if mechanism.table is not table:
             raise ValueError("the mechanism was calibrated for a different EmbeddingTable")
@@ -119,9 +126,7 @@ class TokenPrivatizer:
         self.chunk = check_count(chunk, "chunk")
         self.advanced_slack = check_delta(advanced_slack, "advanced_slack")
         self.fast_pass = fast_pass
-        self.index = CandidateIndex.build(
-            table.candidates, table.clipped[table.candidates], fast_dtype
-        )
+        self.index = index if index is not None else candidate_index(table, fast_dtype)
 
     def privatize(
         self, ids: torch.Tensor, private_mask: torch.Tensor, generator: torch.Generator

@@ -43,7 +43,7 @@ import torch
 
 from ..privacy.accountant import Budget
 from .mechanisms import MECHANISMS, token_mechanism
-from .privatizer import PrivacyReceipt, TokenPrivatizer
+from .privatizer import PrivacyReceipt, TokenPrivatizer, candidate_index
 from .table import EmbeddingTable
 
 OPTION_PREFIX = "dp_"
@@ -590,6 +590,8 @@ class PromptPrivacy:
         self.placeholder_id = placeholder_id
         self.embed_dtype = embed_dtype or table.embeddings.dtype
         self._privatizers: OrderedDict[tuple, TokenPrivatizer] = OrderedDict()
+        fast_dtype = torch.bfloat16 if cfg.fast_dtype == "bfloat16" else torch.float32
+        self._index = candidate_index(table, fast_dtype)  # one copy, shared by every privatizer
         self._lock = threading.Lock()
 
     def options(self, overrides: Mapping[str, Any] | None = None) -> PromptOptions:
@@ -612,8 +614,7 @@ class PromptPrivacy:
                 options.delta,
                 effective_dim=self.cfg.effective_dim if options.mechanism == "trlap_paper" else None,
             )
-        fast_dtype = torch.bfloat16 if self.cfg.fast_dtype == "bfloat16" else torch.float32
-        built = TokenPrivatizer(self.table, mechanism, topk=self.cfg.topk, fast_dtype=fast_dtype)
+        built = TokenPrivatizer(self.table, mechanism, topk=self.cfg.topk, index=self._index)
         with self._lock:
             self._privatizers[key] = built
             while len(self._privatizers) > PRIVATIZER_CACHE:
