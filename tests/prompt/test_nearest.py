@@ -73,3 +73,26 @@ def test_empty_queries_and_bad_dtype():
     assert index.nearest(torch.empty(0, D)).shape == (0,)
     with pytest.raises(ValueError, match="fast_dtype"):
         CandidateIndex.build(torch.arange(10), random_rows(0, k=10), torch.float16)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_certified_fp32_pass_equals_the_direct_rerank_over_every_row(seed):
+    """The window of rows within the GEMM error bound always holds the row the direct fp32
+    re-rank over ALL rows picks: duplicated rows (exact ties), near ties and far queries."""
+    from vllm_dp_plugin.prompt.nearest import certified_nearest_fp32, rerank_exact
+
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.randn(300, 40, generator=g)
+    rows[100:110] = rows[50:60]  # exact duplicates: ties go to the lower position
+    rows[200] = rows[20] + 1e-6 * torch.randn(40, generator=g)  # near ties
+    queries = torch.cat([
+        rows[torch.randint(0, 300, (64,), generator=g)] + 0.05 * torch.randn(64, 40, generator=g),
+        rows[50:60] + 0.0,  # exactly on a duplicated row
+        rows[20:21] + 5e-7 * torch.randn(1, 40, generator=g),
+        30.0 * torch.randn(16, 40, generator=g),  # far from everything
+    ])
+    sq = rows.pow(2).sum(-1)
+    every = torch.arange(300).expand(queries.shape[0], -1)
+    got = certified_nearest_fp32(queries, rows, sq)
+    assert torch.equal(got, rerank_exact(queries, rows, every))
+    assert bool((got[64:74] == torch.arange(50, 60)).all())  # the lower of each duplicate pair

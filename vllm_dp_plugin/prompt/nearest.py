@@ -65,6 +65,36 @@ def rerank_exact(queries: torch.Tensor, rows: torch.Tensor, top: torch.Tensor) -
     return lowest_argmin(diffs.pow(2).sum(-1), top)
 
 
+FP32_UNIT_ROUNDOFF = 2.0**-24
+
+
+def certified_nearest_fp32(queries: torch.Tensor, rows: torch.Tensor, sq_norms: torch.Tensor) -> torch.Tensor:
+    """Positions ``[n]`` in ``rows [K, d]`` (fp32) of the nearest row to each query ``[n, d]``
+    (fp32), ties -> lowest position: the same answer as ``rerank_exact`` over every row, from
+    one fp32 GEMM of scores ``||e||^2 - 2 <e, r>`` plus a direct re-rank of only the rows whose
+    score is within the GEMM's rounding-error bound of the best (usually one row per query).
+
+    Bound: each computed score is within ``tol = (gamma_d + u) (E^2 + 2 E ||r||)`` of its exact
+    value (``u = 2^-24``, ``gamma_d = d u / (1 - d u)``, ``E`` the largest row norm: Higham's dot
+    product bound with Cauchy-Schwarz), so the nearest row's score is <= best + 2 tol."""
+    n, d = queries.shape
+    scores = squared_distance_scores(queries, rows, sq_norms)  # [n, K] fp32
+    best = scores.min(dim=1).values  # [n]
+    u = FP32_UNIT_ROUNDOFF
+    gamma = d * u / (1.0 - d * u)
+    top_norm = float(sq_norms.max().sqrt()) if rows.shape[0] else 0.0
+    tol = (gamma + u) * (top_norm**2 + 2.0 * top_norm * queries.norm(dim=1))  # [n]
+    query, row = torch.nonzero(scores <= (best + 2.0 * tol)[:, None], as_tuple=True)  # (q, c) pairs
+    dist = (rows[row] - queries[query]).pow(2).sum(-1)  # direct fp32 ||e - r||^2 of each pair
+    least = torch.full((n,), float("inf"), dtype=dist.dtype, device=dist.device)
+    least = least.scatter_reduce(0, query, dist, reduce="amin")
+    sentinel = torch.iinfo(torch.int64).max
+    ties = torch.where(dist == least[query], row, sentinel)
+    return torch.full((n,), sentinel, dtype=torch.int64, device=rows.device).scatter_reduce(
+        0, query, ties, reduce="amin"
+    )
+
+
 def brute_force_nearest(queries: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """Exact reference: position in ``rows [K, d]`` of the nearest row to each query ``[n, d]``
     by direct float64 ``||e - r||^2`` over every row; ties -> lowest position. ``[n]`` int64."""
@@ -111,13 +141,19 @@ class CandidateIndex:
         fast_pass: FastPass = fast_topk_torch,
     ) -> torch.Tensor:
         """Token ids ``[n]`` of the nearest candidate to each query ``[n, d]`` (any float dtype):
-        fast-pass top-``k`` per chunk of ``chunk`` queries, then the exact fp32 re-rank."""
+        fast-pass top-``k`` per chunk of ``chunk`` queries, then the exact fp32 re-rank (the
+        default fp32 torch pass re-ranks only the rows its error bound cannot separate:
+        ``certified_nearest_fp32``, same answer, no top-k)."""
         k = min(k, self.ids.shape[0])
         queries32 = queries.to(device=self.rows.device, dtype=torch.float32)
-        positions = [
-            rerank_exact(block, self.rows, fast_pass(block, self.fast_rows, self.sq_norms, k))
-            for block in queries32.split(chunk)
-        ]
+        if fast_pass is fast_topk_torch and self.fast_rows.dtype == torch.float32:
+            # fp32 GEMM already: re-rank only the rows within its error bound of the best
+            positions = [certified_nearest_fp32(block, self.rows, self.sq_norms) for block in queries32.split(chunk)]
+        else:
+            positions = [
+                rerank_exact(block, self.rows, fast_pass(block, self.fast_rows, self.sq_norms, k))
+                for block in queries32.split(chunk)
+            ]
         if not positions:
             return self.ids[:0]
         return self.ids[torch.cat(positions)]
