@@ -21,34 +21,7 @@
 #   SKIP_INSTALL=1 BENCH_DEVICE=cpu BENCH_OUT=/tmp/dry PYTHON=.venv/bin/python \
 #       bash benchmarks/gpu/attention.sh --quick
 # If $OUT is set (the device runner's output folder), the result files are copied there too.
-set -euo pipefail
-
-cd "$(dirname "${BASH_SOURCE[0]}")/../.."
-PY="${PYTHON:-python3}"
-WHEELS="${GPU_WHEELS:-.gpu-wheels}"
-DEVICE="${BENCH_DEVICE:-cuda}"
-RESULTS="${BENCH_OUT:-benchmarks/results}"
-
-echo "== $(date -u +%FT%TZ) repo $(pwd), python $("$PY" -c 'import sys; print(sys.version.split()[0])')"
-if [[ "$DEVICE" == cuda* ]]; then
-    command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-    "$PY" -c 'import torch, sys; ok = torch.cuda.is_available(); print("torch", torch.__version__, "cuda", torch.version.cuda, "available", ok); sys.exit(0 if ok else 1)' \
-        || { echo "torch sees no CUDA device; set BENCH_DEVICE=cpu for a CPU run" >&2; exit 1; }
-fi
-
-if [[ "${SKIP_INSTALL:-0}" != "1" ]]; then
-    if [[ ! -d "$WHEELS" ]]; then
-        echo "missing $WHEELS/: run 'make gpu-wheels' on a machine with PyPI access and carry it along" >&2
-        exit 1
-    fi
-    # The runner's Python may be an "externally managed" system interpreter on a throw-away machine.
-    export PIP_BREAK_SYSTEM_PACKAGES=1 PIP_DISABLE_PIP_VERSION_CHECK=1
-    echo "== dependencies from $WHEELS (no index)"
-    "$PY" -m pip install -q --no-index --find-links "$WHEELS" "setuptools>=68" wheel "packaging>=24"
-    "$PY" -m pip install -q --no-index --find-links "$WHEELS" dp-accounting dm-tree tqdm pyyaml
-    echo "== vllm-dp-plugin (editable, no deps)"
-    "$PY" -m pip install -q --no-deps --no-index --no-build-isolation --ignore-requires-python -e .
-fi
+source "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
 
 "$PY" - <<'EOF'
 import importlib.util
