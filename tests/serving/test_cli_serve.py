@@ -108,7 +108,9 @@ def test_server_release_equals_llm_with_the_same_key_and_config(server):
     from transformers import AutoTokenizer
 
     text = AutoTokenizer.from_pretrained(model).decode(offline["token_ids"][0], skip_special_tokens=True)
-    assert done["choices"][0]["text"] == text
+    # vLLM's incremental detokenizer withholds an incomplete UTF-8 byte sequence at the end
+    # (byte-fallback tokens) where a one-shot decode prints U+FFFD replacement characters
+    assert done["choices"][0]["text"] == text.rstrip("\ufffd")
 
 
 @pytest.mark.vllm
