@@ -7,7 +7,8 @@ A script (CPU vLLM forces spawn, hence the __main__ guard) driven by a JSON job:
 (Whisper: 1 s sine clips), ``{"poison_private_kv": true}`` (overwrite, on every worker, the
 cache rows the DP backend collected as private with NaN) or ``{"cross_releases": true}``
 (per worker: the DP cross-attention releases each layer holds) or ``{"release_checksums": true}``
-(every worker's decoder releases, merged by global KV head). A generation step with
+(every worker's decoder releases, merged by global KV head); the poison step also reports, per
+worker and layer, whether the fused CPU kernel answers the exact public part. A generation step with
 ``"dp_options": {...}`` runs inside ``prompt_request(**options)`` (prompt privatization) and also
 returns the receipts (``receipts``, ``accessor_receipts``), or ``{"error": message}``.
 """
@@ -33,6 +34,15 @@ def poison_private_rows(worker) -> int:
             cache[slots // block_size, :, slots % block_size] = torch.nan
         poisoned += int(slots.numel())
     return poisoned
+
+
+def fused_exact_layers(worker) -> list[bool]:
+    """Per DP decoder layer: whether its exact public part runs through the fused CPU kernel."""
+    return [
+        module.impl._fused_exact
+        for module in worker.model_runner.model.modules()
+        if getattr(getattr(module, "impl", None), "_private_slots", None) is not None
+    ]
 
 
 def cross_releases(worker) -> dict:
@@ -92,7 +102,8 @@ def run_step(llm, step):
 
     params = SamplingParams(temperature=0.0, max_tokens=step.get("max_tokens", 8))
     if step.get("poison_private_kv"):
-        return {"poisoned": llm.collective_rpc(poison_private_rows)}
+        return {"poisoned": llm.collective_rpc(poison_private_rows),
+                "fused_exact": llm.collective_rpc(fused_exact_layers)}
     if step.get("cross_releases"):
         return {"cross_releases": llm.collective_rpc(cross_releases)}
     if step.get("release_checksums"):

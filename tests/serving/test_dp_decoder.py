@@ -7,6 +7,8 @@ a restart with the same key).
 
 import pytest
 
+from vllm_dp_plugin.kernels.paged_exact import fused_available
+
 from .engines import dp_section, run_engine
 
 PROMPTS = ["The quick brown fox", "def main():"]
@@ -70,6 +72,7 @@ def test_real_epsilon_changes_outputs_and_fixes_the_noise(noisy_dp, exact_dp):
     assert first["token_ids"] != exact_dp["token_ids"]  # the DP path is really taken
     assert repeat["token_ids"] == first["token_ids"]  # noise drawn once, reused
     assert poison["poisoned"][0] > 0
+    assert poison["fused_exact"][0] == [fused_available()] * 2  # the path poisoned is the one served
     # public queries never read the exact private K/V: NaN in those cache rows changes nothing
     assert after_poison["token_ids"] == first["token_ids"]
 

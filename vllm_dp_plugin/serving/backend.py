@@ -34,6 +34,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 from ..attention.merge import AttentionPart, merge_parts
 from ..attention.paged import BatchLayout, causal_part, gather_spans
 from ..attention.private_context import HeadLayout, PrivateContextLayer
+from ..kernels.paged_exact import fused_available, paged_exact
 from ..privacy.keyed_noise import NoiseKey, context_id
 from .settings import (
     budget_payload,
@@ -70,6 +71,8 @@ class DPBuilderMixin:
 
 class DPImplMixin:
     """The DP path around a parent impl; ``_paged_kv`` is the parent's cache layout."""
+
+    _fused_exact = False  # the exact public part through the fused CPU kernel (else torch ops)
 
     def _dp_init(self) -> None:
         vllm_config = get_current_vllm_config()
@@ -161,9 +164,12 @@ class DPImplMixin:
         requests = torch.unique_consecutive(req[tokens])  # tokens are grouped by request, in order
         every = requests.shape[0] == lay.num_requests  # then requests == arange(B)
         table = lay.block_table[: lay.num_requests] if every else lay.block_table[_on(requests, lay.block_table)]
-        spans = gather_spans(key_cache, value_cache, table, torch.full_like(requests, first_row),
-                             lay.seq_lens[requests].long())
+        start, end = torch.full_like(requests, first_row), lay.seq_lens[requests].long()
         span_of_token = torch.searchsorted(requests, req[tokens])
+        if self._fused_exact:
+            return paged_exact(q[_on(tokens, q)], pos[tokens], span_of_token, key_cache, value_cache, table,
+                               start, end, self.scale)
+        spans = gather_spans(key_cache, value_cache, table, start, end)
         return causal_part(q[_on(tokens, q)], pos[tokens], span_of_token, spans, self.scale)
 
     # ------------------------------------------------------------------ encoder-decoder
@@ -239,6 +245,7 @@ class DPCPUImpl(DPImplMixin, CPUAttentionBackendImpl):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._dp_init()
+        self._fused_exact = self._dp_on and fused_available()  # builds the kernel once per machine
 
     def _paged_kv(self, kv_cache: torch.Tensor, layer) -> tuple[torch.Tensor, torch.Tensor]:
         """``[nb, H, bs, d]`` views of K and V. The CPU cache is ``[nb, H, bs, 2d]`` viewed as
