@@ -1,0 +1,555 @@
+"""DP-SGD / DP-Adam engine (dpformer spec 2, 3.7, 3.8): per-sample clipping without per-sample
+gradients ("book-keeping", one backward) and Gaussian noise, for models built from supported
+module types.
+
+Per training step, for each physical (virtual) batch: run the model forward (the engine's hooks
+capture each supported module's detached input and attached output), compute a per-sample loss
+``[b]``, call ``engine.backward(loss)``; then call ``engine.finish_step()`` once and any torch
+optimizer's ``step()`` (SGD = DP-SGD, Adam/AdamW = DP-Adam: post-processing of the noisy grad).
+
+``backward`` takes ONE ``torch.autograd.grad`` of ``sum_i L_i`` w.r.t. the captured outputs (no
+parameter gradients), sums per-sample squared norms over all trainable parameters (``norms.py``;
+a weight tied between an ``nn.Embedding`` and an output ``nn.Linear`` by Phantom Clipping), clips
+(AUTO-S ``C / (n_i + gamma)`` or Abadi ``min(1, C / n_i)``) and adds the clipped sum into a
+private float32-or-wider accumulator. ``finish_step`` adds ``N(0, (sigma C)^2)`` noise once per
+parameter, divides by the expected batch size B and writes ``p.grad``.
+
+Supported trainable modules: ``nn.Linear``, Hugging Face ``Conv1D`` (GPT-2), ``nn.Embedding``
+(``padding_idx`` rows get no gradient), ``nn.LayerNorm`` (last dim), RMSNorm (``torch.nn.RMSNorm``
+and classes named ``*RMSNorm`` with ``weight`` and ``variance_epsilon``/``eps``, e.g. Llama's).
+Every hooked module's forward is checked once against the formula its norms assume. Each hooked
+module must be called at most once per forward, with the batch as its inputs' first dimension.
+
+Distributed (DDP-style data parallelism): give every rank the plain, unwrapped model with equal
+initial parameters, the same ``DPConfig`` (B = the global expected batch size) and its shard of
+the same Poisson draw (``sampling.shard_for_rank``). ``finish_step`` all-reduces the clipped sums
+itself; the noise is drawn on rank 0 only and added before the reduction, so every rank ends with
+the same ``.grad``. ``DistributedDataParallel`` wrappers are refused: their reducer would
+all-reduce parameter gradients that the engine never produces (it replaces that reducer).
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from vllm_dp_plugin.privacy.validation import check_count, check_positive
+
+from . import norms
+
+Clipping = Literal["automatic", "flat"]
+NOISE_CHUNK = 1 << 24  # float64 noise is drawn in chunks of this many coordinates (128 MiB)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DPConfig:
+    """DP-SGD hyperparameters.
+
+    ``noise_multiplier`` sigma: the noise std is ``sigma * clip_norm`` per coordinate of the
+    clipped sum (0 disables noise: no privacy, for tests). ``expected_batch_size`` B = q N, the
+    fixed divisor of the noisy sum (never the realised Poisson batch size). ``clipping``:
+    ``"automatic"`` (AUTO-S, factor ``C / (n_i + gamma)``) or ``"flat"`` (Abadi,
+    ``min(1, C / n_i)``); both bound each sample's contribution by C. ``seed``: ``None`` seeds
+    the noise from OS entropy; an int makes it reproducible (tests) and must then stay secret.
+    """
+
+    noise_multiplier: float
+    expected_batch_size: int
+    clip_norm: float = 1.0
+    clipping: Clipping = "automatic"
+    gamma: float = 0.01
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.noise_multiplier != 0:
+            check_positive(self.noise_multiplier, "noise_multiplier")
+        check_count(self.expected_batch_size, "expected_batch_size")
+        check_positive(self.clip_norm, "clip_norm")
+        if self.clipping not in ("automatic", "flat"):
+            raise ValueError(f"clipping must be 'automatic' or 'flat', got {self.clipping!r}")
+        check_positive(self.gamma, "gamma")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed must be None or an int, got {self.seed!r}")
+
+
+# ---------- supported module kinds: the forward each assumes, per-parameter norms and sums ----------
+# Shapes: x [B, T, d_in] (ids [B, T] for lookups), g [B, T, d_out] the gradient of sum_i L_i at
+# the module output, c [B] clip factors. Norms are [B]; sums have the parameter's shape, in the
+# float32-or-wider dtype of ``norms.norm_dtype``.
+
+
+@dataclass(frozen=True)
+class _Role:
+    """One parameter (attribute ``attr``) of a supported module."""
+
+    attr: str
+    sq_norms: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+    clipped_sum: Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class _Kind:
+    """A supported module type: ``reference(module, x)`` is the forward its norms assume,
+    ``probe(module)`` an input to check the module against it."""
+
+    name: str
+    matches: Callable[[nn.Module], bool]
+    reference: Callable[[nn.Module, torch.Tensor], torch.Tensor]
+    probe: Callable[[nn.Module], torch.Tensor]
+    roles: tuple[_Role, ...]
+    lookup: bool = False  # input is ids [B, ...] rather than features [B, ..., d]
+
+
+def _wide(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    dtype = norms.norm_dtype(*tensors)
+    return [t.to(dtype) for t in tensors]
+
+
+def _outer_sum(left: torch.Tensor, right: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """``sum_b c_b left_b^T right_b``: ``[d_left, d_right]`` for ``left: [B, T, d_left]``,
+    ``right: [B, T, d_right]``. The factor scales the narrower operand, so no copy of a wide
+    output gradient (logits ``[B, T, V]``) is made beyond the float32 cast."""
+    left, right = _wide(left, right)
+    if left.shape[-1] <= right.shape[-1]:
+        left = left * c[:, None, None].to(left.dtype)
+    else:
+        right = right * c[:, None, None].to(right.dtype)
+    return left.flatten(0, 1).T @ right.flatten(0, 1)
+
+
+def _bias_sum(module: nn.Module, x: torch.Tensor, g: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """``sum_b c_b sum_t g_b,t``: ``[d_out]``."""
+    per_sample = g.sum(1, dtype=norms.norm_dtype(g))
+    return c.to(per_sample.dtype) @ per_sample
+
+
+def _bias_sq_norms(module: nn.Module, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    return norms.bias_sq_norms(g)
+
+
+def _linear_sq_norms(module: nn.Module, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    return norms.linear_sq_norms(x, g)
+
+
+def _features(module: nn.Module, dim: int) -> torch.Tensor:
+    """A ``[2, 3, dim]`` probe input in the module's dtype and device (fixed seed)."""
+    weight = next(module.parameters())
+    probe = torch.randn(2, 3, dim, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    return probe.to(device=weight.device, dtype=weight.dtype)
+
+
+def _layernorm_hat(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    (x,) = _wide(x)
+    return F.layer_norm(x, module.normalized_shape, eps=module.eps)
+
+
+def _rms_eps(module: nn.Module, x: torch.Tensor) -> float:
+    eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+    return torch.finfo(x.dtype).eps if eps is None else float(eps)
+
+
+def _rms_hat(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    (x,) = _wide(x)
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + _rms_eps(module, x))
+
+
+def _scaled_sum(hat: Callable[[nn.Module, torch.Tensor], torch.Tensor]):
+    """Clipped sum of a norm layer's weight: ``sum_b c_b sum_t g_b,t * hat(x_b,t)``: ``[d]``."""
+
+    def clipped_sum(module: nn.Module, x: torch.Tensor, g: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        h = hat(module, x)
+        return torch.einsum("b,btd->d", c.to(h.dtype), g.to(h.dtype) * h)
+
+    return clipped_sum
+
+
+def _lookup_sum(module: nn.Module, ids: torch.Tensor, g: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """``index_add`` of the c-weighted lookup gradients into ``[num_embeddings, d]``; padding_idx
+    rows get nothing."""
+    (g,) = _wide(g)
+    out = torch.zeros(module.weight.shape, dtype=g.dtype, device=g.device)
+    keep = ids != module.padding_idx if module.padding_idx is not None else torch.ones_like(ids, dtype=torch.bool)
+    out.index_add_(0, ids[keep], (g * c[:, None, None].to(g.dtype))[keep])
+    return out
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "weight")
+
+
+def _is_rmsnorm(module: nn.Module) -> bool:
+    return type(module).__name__.endswith("RMSNorm") and isinstance(getattr(module, "weight", None), nn.Parameter)
+
+
+_BIAS = _Role("bias", _bias_sq_norms, _bias_sum)
+
+KINDS: tuple[_Kind, ...] = (
+    _Kind(
+        "Linear",
+        lambda m: isinstance(m, nn.Linear),
+        lambda m, x: F.linear(x, m.weight, m.bias),
+        lambda m: _features(m, m.in_features),
+        (_Role("weight", _linear_sq_norms, lambda m, x, g, c: _outer_sum(g, x, c)), _BIAS),
+    ),
+    _Kind(
+        "Conv1D",  # Hugging Face GPT-2: y = x W + b with W [d_in, d_out]
+        _is_conv1d,
+        lambda m, x: x @ m.weight + m.bias,
+        lambda m: _features(m, m.weight.shape[0]),
+        (_Role("weight", _linear_sq_norms, lambda m, x, g, c: _outer_sum(x, g, c)), _BIAS),
+    ),
+    _Kind(
+        "Embedding",
+        lambda m: isinstance(m, nn.Embedding),
+        lambda m, ids: F.embedding(ids, m.weight, m.padding_idx),
+        lambda m: torch.arange(min(4, m.num_embeddings), device=m.weight.device)[None],
+        (_Role("weight", lambda m, ids, g: norms.lookup_sq_norms(ids, g, m.padding_idx), _lookup_sum),),
+        lookup=True,
+    ),
+    _Kind(
+        "LayerNorm",
+        lambda m: isinstance(m, nn.LayerNorm),
+        lambda m, x: F.layer_norm(x, m.normalized_shape, m.weight, m.bias, m.eps),
+        lambda m: _features(m, m.normalized_shape[0]),
+        (
+            _Role(
+                "weight",
+                lambda m, x, g: norms.layernorm_sq_norms(x, g, m.eps, bias=False),
+                _scaled_sum(_layernorm_hat),
+            ),
+            _BIAS,
+        ),
+    ),
+    _Kind(
+        "RMSNorm",
+        _is_rmsnorm,
+        lambda m, x: (m.weight * _rms_hat(m, x)).to(x.dtype),
+        lambda m: _features(m, m.weight.shape[-1]),
+        (_Role("weight", lambda m, x, g: norms.rmsnorm_sq_norms(x, g, _rms_eps(m, x)), _scaled_sum(_rms_hat)),),
+    ),
+)
+
+# Formula probe tolerance (relative and absolute): it must reject a different formula, not
+# rounding. float32 for parameters of float32 or wider (Hugging Face RMSNorms compute in float32
+# even in a float64 model), bf16/fp16 otherwise.
+_PROBE_TOLERANCE = {torch.float64: 1e-5, torch.float32: 1e-5}
+_PROBE_TOLERANCE_LOW_PRECISION = 2e-2
+
+
+def _kind_of(module: nn.Module) -> _Kind | None:
+    return next((kind for kind in KINDS if kind.matches(module)), None)
+
+
+# ---------- what the engine hooks, and the checks that make its norms exact ----------
+
+
+@dataclass
+class _Call:
+    """One call of a hooked module in the current forward: detached input, attached output."""
+
+    module: nn.Module
+    kind: _Kind
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+@dataclass
+class _Use:
+    """One use of a trainable parameter in the current forward, batch-first ``[B, T, ...]``."""
+
+    module: nn.Module
+    role: _Role
+    x: torch.Tensor
+    g: torch.Tensor
+
+
+def _supported_modules(model: nn.Module) -> dict[nn.Module, _Kind]:
+    """Modules owning a trainable parameter, with their kind; ValueError naming any trainable
+    parameter of an unsupported module type, any option that breaks the norms, and any
+    parameter shared other than one ``nn.Embedding`` weight tied to one ``nn.Linear`` weight."""
+    owners: dict[nn.Parameter, list[tuple[str, nn.Module]]] = {}
+    found: dict[nn.Module, _Kind] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        for attr, param in module.named_parameters(recurse=False):
+            if not param.requires_grad:
+                continue
+            full = f"{name}.{attr}" if name else attr
+            kind = _kind_of(module)
+            if kind is None or attr not in {role.attr for role in kind.roles}:
+                raise ValueError(
+                    f"trainable parameter {full!r} belongs to {type(module).__name__}, which the DP "
+                    f"engine does not support (supported: {', '.join(k.name for k in KINDS)}); "
+                    "freeze it or rebuild the module from supported types"
+                )
+            _check_options(name, module, kind)
+            owners.setdefault(param, []).append((full, module))
+            found[module] = kind
+    for users in owners.values():
+        _check_sharing(users)
+    return found
+
+
+def _check_options(name: str, module: nn.Module, kind: _Kind) -> None:
+    if kind.name == "Embedding" and (module.max_norm is not None or module.scale_grad_by_freq or module.sparse):
+        raise ValueError(
+            f"embedding {name!r}: max_norm, scale_grad_by_freq and sparse are not supported "
+            "(they rescale rows or gradients across the batch)"
+        )
+    if kind.name == "LayerNorm" and len(module.normalized_shape) != 1:
+        raise ValueError(f"layer norm {name!r}: only normalisation over the last dimension is supported")
+
+
+def _check_sharing(users: list[tuple[str, nn.Module]]) -> None:
+    """One owner, or an ``nn.Embedding`` and an ``nn.Linear`` sharing ``weight`` (tied)."""
+    if len(users) == 1:
+        return
+    types = sorted(type(module).__name__ for _, module in users)
+    modules = [module for _, module in users]
+    tied = len(users) == 2 and any(isinstance(m, nn.Embedding) for m in modules) and any(
+        isinstance(m, nn.Linear) for m in modules
+    )
+    if not tied:
+        names = ", ".join(name for name, _ in users)
+        raise ValueError(
+            f"parameter shared by {names} ({', '.join(types)}): only an nn.Embedding weight tied "
+            "to an output nn.Linear weight is supported"
+        )
+
+
+def _check_formula(name: str, module: nn.Module, kind: _Kind) -> None:
+    """The module's forward must equal ``kind.reference`` on a probe input: a module that
+    computes something else (e.g. an RMSNorm with ``(1 + weight)``) would get wrong norms."""
+    weight = next(module.parameters())
+    tolerance = _PROBE_TOLERANCE.get(weight.dtype, _PROBE_TOLERANCE_LOW_PRECISION)
+    with torch.no_grad():
+        probe = kind.probe(module)
+        got, want = module(probe).double(), kind.reference(module, probe).double()
+    if got.shape != want.shape or not torch.allclose(got, want, rtol=tolerance, atol=tolerance):
+        raise ValueError(
+            f"module {name!r} ({type(module).__name__}) does not compute the {kind.name} formula the "
+            "DP engine's per-sample norms assume; its norms would be wrong (a privacy bug)"
+        )
+
+
+def _batch_first(t: torch.Tensor, lookup: bool) -> torch.Tensor:
+    """``[B, ...]`` ids -> ``[B, T]``; ``[B, ..., d]`` features -> ``[B, T, d]``."""
+    return t.reshape(t.shape[0], -1) if lookup else t.reshape(t.shape[0], -1, t.shape[-1])
+
+
+def _param_sq_norms(uses: list[_Use]) -> torch.Tensor:
+    """Per-sample squared norm ``[B]`` of one parameter's total gradient over its uses: one use,
+    or the tied lookup + output pair (Phantom Clipping, cross term included)."""
+    if len(uses) == 1:
+        use = uses[0]
+        return use.role.sq_norms(use.module, use.x, use.g)
+    lookup = next(u for u in uses if isinstance(u.module, nn.Embedding))
+    output = next(u for u in uses if u is not lookup)
+    return norms.tied_embedding_sq_norms(lookup.x, lookup.g, output.x, output.g, lookup.module.padding_idx)
+
+
+# ---------- the engine ----------
+
+
+class DPEngine:
+    """Per-sample clipping and noise for ``model``; see the module docstring for the protocol."""
+
+    def __init__(self, model: nn.Module, config: DPConfig):
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            raise TypeError(
+                "pass the unwrapped model: the DP engine all-reduces the clipped sums itself, "
+                "DistributedDataParallel's reducer would reduce gradients it never produces"
+            )
+        if getattr(model, "is_gradient_checkpointing", False):
+            raise ValueError("gradient checkpointing is not supported by the DP engine: disable it")
+        self.config = config
+        self._modules = _supported_modules(model)
+        self._names = {module: name for name, module in model.named_modules(remove_duplicate=False)}
+        for module, kind in self._modules.items():
+            _check_formula(self._names[module], module, kind)
+        self._params = list(dict.fromkeys(p for p in model.parameters() if p.requires_grad))
+        if not self._params:
+            raise ValueError("the model has no trainable parameter")
+        self._sums: dict[nn.Parameter, torch.Tensor] = {}
+        self._calls: list[_Call] = []
+        self._in_backward = False
+        self._generator = self._noise_generator(self._params[0].device)
+        self._handles = [model.register_forward_pre_hook(self._start_forward)]
+        self._handles += [m.register_forward_hook(self._capture, with_kwargs=True) for m in self._modules]
+
+    def backward(self, per_sample_loss: torch.Tensor) -> torch.Tensor:
+        """Clip this (virtual) batch and add its clipped sum to the step's accumulator.
+
+        ``per_sample_loss: [b]`` from the latest forward of the model (grad enabled). Returns the
+        per-sample gradient norms ``[b]`` over all trainable parameters (float32 or wider)."""
+        calls, self._calls = self._calls, []
+        if per_sample_loss.dim() != 1:
+            raise ValueError(f"per_sample_loss must have shape [b], got {tuple(per_sample_loss.shape)}")
+        if not per_sample_loss.requires_grad:
+            raise RuntimeError("per_sample_loss has no graph: run the forward with grad enabled before backward")
+        uses = self._gradients(calls, per_sample_loss)
+        sq_norms = self._sq_norms(uses, per_sample_loss)
+        sample_norms = sq_norms.clamp_min(0).sqrt()
+        factors = self._clip_factors(sample_norms)
+        for param, param_uses in uses.items():
+            for use in param_uses:
+                total = use.role.clipped_sum(use.module, use.x, use.g, factors)
+                self._sums[param] = total if param not in self._sums else self._sums[param] + total
+        return sample_norms
+
+    def finish_step(self) -> None:
+        """Write ``p.grad = (clipped sum + sigma C N(0, I)) / B`` for every trainable parameter
+        (noise once per parameter, a tied weight included; parameters no sample reached get
+        noise only), all-reducing the clipped sums first under torch.distributed; then start a
+        new step."""
+        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        noisy_rank = not distributed or dist.get_rank() == 0
+        for param in self._params:
+            total = self._sums.pop(param, None)
+            if total is None:
+                total = torch.zeros(param.shape, dtype=_accumulator_dtype(param), device=param.device)
+            if noisy_rank:
+                self._add_noise(total)
+            if distributed:
+                dist.all_reduce(total)
+            param.grad = (total / self.config.expected_batch_size).to(param.dtype)
+
+    def detach(self) -> None:
+        """Remove the engine's hooks; the model is then a plain model again."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles, self._calls, self._sums = [], [], {}
+
+    # ---- hooks ----
+
+    def _start_forward(self, module: nn.Module, args: tuple) -> None:
+        self._calls = []
+
+    def _capture(self, module: nn.Module, args: tuple, kwargs: dict, output: torch.Tensor) -> None:
+        if self._in_backward:
+            raise RuntimeError(
+                f"module {self._names[module]!r} ran during the DP backward (gradient checkpointing "
+                "recomputation?): not supported, disable checkpointing"
+            )
+        if not torch.is_grad_enabled():
+            return  # evaluation forward: nothing to clip
+        if any(call.module is module for call in self._calls):
+            raise ValueError(
+                f"module {self._names[module]!r} ({type(module).__name__}) was called twice in one "
+                "forward: its parameters would be shared between uses, which the DP engine does not "
+                "support"
+            )
+        x = args[0] if args else next(iter(kwargs.values()))
+        self._calls.append(_Call(module, self._modules[module], x.detach(), output))
+
+    # ---- per-sample norms and clipping ----
+
+    def _gradients(self, calls: list[_Call], loss: torch.Tensor) -> dict[nn.Parameter, list[_Use]]:
+        """One ``autograd.grad`` of ``sum_i L_i`` w.r.t. every captured output; the uses of each
+        trainable parameter, batch-first. Outputs the loss does not depend on are dropped."""
+        batch = loss.shape[0]
+        for call in calls:
+            if call.y.shape[0] != batch:
+                raise ValueError(
+                    f"module {self._names[call.module]!r} produced batch size {call.y.shape[0]} but the "
+                    f"loss has {batch}: hooked modules must see per-sample inputs, batch first (pass "
+                    "Hugging Face models position_ids of shape [B, T])"
+                )
+        self._in_backward = True
+        try:
+            grads = torch.autograd.grad(loss.sum(), [call.y for call in calls], allow_unused=True)
+        finally:
+            self._in_backward = False
+        uses: dict[nn.Parameter, list[_Use]] = {}
+        for call, g in zip(calls, grads, strict=True):
+            if g is None:
+                continue
+            x, g = _batch_first(call.x, call.kind.lookup), _batch_first(g, lookup=False)
+            for role in call.kind.roles:
+                param = getattr(call.module, role.attr)
+                if param is not None and param.requires_grad:
+                    uses.setdefault(param, []).append(_Use(call.module, role, x, g))
+        return uses
+
+    def _sq_norms(self, uses: dict[nn.Parameter, list[_Use]], loss: torch.Tensor) -> torch.Tensor:
+        """``[b]``: sum over trainable parameters of the per-sample squared gradient norms."""
+        start = torch.zeros(loss.shape[0], dtype=norms.norm_dtype(loss), device=loss.device)
+        return sum((_param_sq_norms(param_uses) for param_uses in uses.values()), start)
+
+    def _clip_factors(self, sample_norms: torch.Tensor) -> torch.Tensor:
+        """``[b]`` factors with ``c_i n_i <= C``: AUTO-S ``C / (n_i + gamma)`` or ``min(1, C / n_i)``."""
+        clip = self.config.clip_norm
+        if self.config.clipping == "automatic":
+            return clip / (sample_norms + self.config.gamma)
+        return (clip / sample_norms).clamp(max=1.0)
+
+    # ---- noise ----
+
+    def _noise_generator(self, device: torch.device) -> torch.Generator:
+        seed = secrets.randbits(63) if self.config.seed is None else self.config.seed
+        return torch.Generator(device=device).manual_seed(seed)
+
+    def _add_noise(self, total: torch.Tensor) -> None:
+        """``total += sigma C xi``, ``xi ~ N(0, I)`` drawn in float64 and scaled before the cast."""
+        std = self.config.noise_multiplier * self.config.clip_norm
+        if std == 0:
+            return
+        for chunk in total.view(-1).split(NOISE_CHUNK):
+            noise = torch.randn(
+                chunk.shape, dtype=torch.float64, generator=self._generator, device=self._generator.device
+            )
+            chunk.add_((noise * std).to(device=chunk.device, dtype=chunk.dtype))
+
+
+def _accumulator_dtype(param: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(param.dtype, torch.float32)
+
+
+# ---------- losses and schedules for DP training ----------
+
+
+def causal_lm_per_sample_loss(
+    logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100, shift: bool = True
+) -> torch.Tensor:
+    """``[B]`` mean next-token cross-entropy over each sample's valid labels (0 for a sample
+    without any). ``logits: [B, T, V]``, ``labels: [B, T]`` aligned with the inputs as in Hugging
+    Face (position t predicts ``labels[t + 1]``; ``shift=False`` if already aligned with the
+    logits). Computed in float32 or wider; the labels are shifted, not the logits (no copy)."""
+    if shift:
+        labels = F.pad(labels[:, 1:], (0, 1), value=ignore_index)
+    tokens = F.cross_entropy(
+        logits.flatten(0, 1).to(norms.norm_dtype(logits)),
+        labels.flatten(),
+        ignore_index=ignore_index,
+        reduction="none",
+    ).view(labels.shape)
+    valid = (labels != ignore_index).sum(1)
+    return tokens.sum(1) / valid.clamp_min(1)
+
+
+def warmup_linear_decay(step: int, total: int, warmup_frac: float = 0.2) -> float:
+    """Learning-rate factor of step ``step`` (1-based) of ``total`` (spec 5.1 line 12): linear
+    warm-up ``t / T_w`` up to ``T_w = warmup_frac * total``, then linear decay ``(T - t) / (T - T_w)``
+    to 0 at ``t = T``."""
+    check_count(total, "total")
+    if not 0 <= warmup_frac < 1:
+        raise ValueError(f"warmup_frac must lie in [0, 1), got {warmup_frac!r}")
+    warmup = warmup_frac * total
+    if step <= warmup:
+        return step / warmup
+    return max(0.0, (total - step) / (total - warmup))
+
+
+def warmup_linear_decay_scheduler(
+    optimizer: torch.optim.Optimizer, total: int, warmup_frac: float = 0.2
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """``LambdaLR`` applying ``warmup_linear_decay``: call ``scheduler.step()`` after each
+    ``optimizer.step()``; the i-th optimizer step (0-based) uses the factor of step i + 1."""
+    warmup_linear_decay(1, total, warmup_frac)  # validate now, not at the first step
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: warmup_linear_decay(i + 1, total, warmup_frac))
