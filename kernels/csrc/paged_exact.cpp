@@ -21,6 +21,27 @@ struct Strides {  // element strides of a [num_blocks, H_kv, block_size, d] cach
   int64_t at(int64_t b, int64_t h, int64_t r) const { return b * block + h * head + r * row; }
 };
 
+// out[i] = scale * <q, k_i> for the n rows of one block; contiguous inner loops for both K layouts
+// (row-major, or dimension-major as the CPU ISA kernels may store K blocks).
+template <typename scalar_t>
+void block_logits(const float* q, const scalar_t* k, const Strides& ks, int64_t n, int64_t d, float scale, float* out) {
+  if (ks.row == 1) {  // dimension-major: k[c * ks.dim + i]
+    for (int64_t c = 0; c < d; ++c) {
+      const float qc = q[c] * scale;
+      const scalar_t* kc = k + c * ks.dim;
+      for (int64_t i = 0; i < n; ++i) out[i] += qc * static_cast<float>(kc[i]);
+    }
+    return;
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    const scalar_t* ki = k + i * ks.row;
+    float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t c = 0; c < d; ++c) acc += q[c] * static_cast<float>(ki[c * ks.dim]);
+    out[i] = acc * scale;
+  }
+}
+
 template <typename scalar_t>
 void paged_exact_kernel(const torch::Tensor& q, const torch::Tensor& q_pos, const torch::Tensor& q_span,
                         const torch::Tensor& key_cache, const torch::Tensor& value_cache,
@@ -49,16 +70,12 @@ void paged_exact_kernel(const torch::Tensor& q, const torch::Tensor& q_pos, cons
       const int64_t lo = lo_row[r], hi = std::min(hi_row[r], pos[t] + 1), rows = hi - lo;
       const int32_t* blocks = table + r * table_stride;
       logits.assign(groups * rows, 0.f);
-      for (int64_t i = 0; i < rows; ++i) {
-        const int64_t p = lo + i;
-        const scalar_t* k = kp + ks.at(blocks[p / block_size], kvh, p % block_size);
-        for (int64_t g = 0; g < groups; ++g) {
-          const float* qv = qp + (t * heads + kvh * groups + g) * d;
-          float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-          for (int64_t c = 0; c < d; ++c) acc += qv[c] * static_cast<float>(k[c * ks.dim]);
-          logits[g * rows + i] = acc * fscale;
-        }
+      for (int64_t p = lo; p < hi;) {  // one cache block at a time: rows [p, p + n)
+        const int64_t offset = p % block_size, n = std::min(block_size - offset, hi - p);
+        const scalar_t* k = kp + ks.at(blocks[p / block_size], kvh, offset);
+        for (int64_t g = 0; g < groups; ++g)
+          block_logits(qp + (t * heads + kvh * groups + g) * d, k, ks, n, d, fscale, logits.data() + g * rows + (p - lo));
+        p += n;
       }
       for (int64_t g = 0; g < groups; ++g) {
         float* lg = logits.data() + g * rows;
@@ -72,7 +89,11 @@ void paged_exact_kernel(const torch::Tensor& q, const torch::Tensor& q_pos, cons
           const int64_t p = lo + i;
           const scalar_t* v = vp + vs.at(blocks[p / block_size], kvh, p % block_size);
           const float w = lg[i];
-          for (int64_t c = 0; c < d; ++c) o[c] += w * static_cast<float>(v[c * vs.dim]);
+          if (vs.dim == 1) {
+            for (int64_t c = 0; c < d; ++c) o[c] += w * static_cast<float>(v[c]);
+          } else {
+            for (int64_t c = 0; c < d; ++c) o[c] += w * static_cast<float>(v[c * vs.dim]);
+          }
         }
         const float inv = 1.f / total;
         for (int64_t c = 0; c < d; ++c) o[c] *= inv;
