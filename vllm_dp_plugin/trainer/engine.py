@@ -19,6 +19,9 @@ Supported trainable modules: ``nn.Linear``, Hugging Face ``Conv1D`` (GPT-2), ``n
 and classes named ``*RMSNorm`` with ``weight`` and ``variance_epsilon``/``eps``, e.g. Llama's).
 Every hooked module's forward is checked once against the formula its norms assume. Each hooked
 module must be called at most once per forward, with the batch as its inputs' first dimension.
+Not detected (the caller's responsibility): a parameter used outside its module's forward (e.g.
+``F.linear(h, embedding.weight)`` instead of a tied ``nn.Linear``) would have that use missing
+from its norm; the trainable parameters are fixed when the engine is built.
 
 Distributed (DDP-style data parallelism): give every rank the plain, unwrapped model with equal
 initial parameters, the same ``DPConfig`` (B = the global expected batch size) and its shard of
@@ -69,7 +72,12 @@ class DPConfig:
 
     def __post_init__(self) -> None:
         if self.noise_multiplier != 0:
-            check_positive(self.noise_multiplier, "noise_multiplier")
+            try:
+                check_positive(self.noise_multiplier, "noise_multiplier")
+            except ValueError:
+                raise ValueError(
+                    f"noise_multiplier must be finite and >= 0 (0: no noise), got {self.noise_multiplier!r}"
+                ) from None
         check_count(self.expected_batch_size, "expected_batch_size")
         check_positive(self.clip_norm, "clip_norm")
         if self.clipping not in ("automatic", "flat"):
@@ -108,6 +116,7 @@ class _Kind:
 
 
 def _wide(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors in their common norm dtype (float32, or float64 if any is float64)."""
     dtype = norms.norm_dtype(*tensors)
     return [t.to(dtype) for t in tensors]
 
