@@ -15,7 +15,7 @@ PORT ?= 8000
 # On CPU this fraction of RAM is reserved for the KV cache; keep it small on a 2-core box.
 SERVE_FLAGS ?= --dtype float32 --max-model-len 4096 --block-size 32 --enforce-eager --gpu-memory-utilization 0.25
 
-.PHONY: install test serve bench demo-model clean gpu-wheels
+.PHONY: install test serve bench demo demo-model clean gpu-wheels
 
 install: $(STAMP)
 
@@ -43,6 +43,11 @@ serve: $(STAMP) $(if $(filter $(DEMO_MODEL),$(MODEL)),$(DEMO_MODEL)/config.json)
 	@echo "       -d '{\"model\": \"$(MODEL)\", \"messages\": [{\"role\": \"user\", \"content\": \"Hello\"}], \"max_tokens\": 16}'"
 	@echo "     curl -s http://$(HOST):$(PORT)/v1/dp/budget   # the privacy statement of the private context"
 	$(VENV)/bin/vllm-dp serve $(MODEL) $(if $(DP_CONFIG),--dp-config $(DP_CONFIG)) --host $(HOST) --port $(PORT) $(SERVE_FLAGS)
+
+# DP fine-tuning of the demo Llama on bundled public text (a few minutes on 2 CPU cores), then serve it.
+demo: $(STAMP) $(DEMO_MODEL)/config.json
+	$(VENV)/bin/vllm-dp train --config examples/train.yaml
+	$(MAKE) serve MODEL=.demo/trained/model
 
 # Every benchmark suite, results under benchmarks/results/ (attention ~15 min, serve ~25 min on 2 CPU cores).
 bench: $(STAMP)

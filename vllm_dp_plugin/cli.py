@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from .config import ConfigError, DPPrivacyConfig
@@ -78,6 +79,14 @@ def build_parser() -> argparse.ArgumentParser:
     privatize.add_argument("--seed", type=int, default=None, help="noise seed (default: os.urandom)")
     privatize.set_defaults(handler=_privatize)
 
+    train = commands.add_parser(
+        "train", help="DP fine-tuning of a Hugging Face causal LM; the output directory is servable"
+    )
+    train.add_argument("--config", required=True, help="YAML file of TrainConfig options (see README)")
+    train.add_argument("--stop-after", type=int, default=None, metavar="STEPS",
+                       help="train at most STEPS steps now (checkpointed; rerun to resume)")
+    train.set_defaults(handler=_train)
+
     bench = commands.add_parser("bench", help="run a benchmark suite (see `vllm-dp bench SUITE --help`)")
     suites = bench.add_subparsers(dest="suite", required=True, metavar="SUITE")
     for suite, (module, summary) in BENCH_SUITES.items():
@@ -134,6 +143,19 @@ def _privatize(args: argparse.Namespace, rest: list[str]) -> int:
 
     print(privatize_command(args.text, args.mechanism, args.eps, args.delta, args.model,
                             minilm=args.minilm, seed=args.seed))
+    return 0
+
+
+def _train(args: argparse.Namespace, rest: list[str]) -> int:
+    from .trainer.train import TrainConfig, train
+
+    try:
+        config = TrainConfig.from_file(args.config)
+    except (ValueError, TypeError) as exc:
+        print(f"vllm-dp: training configuration error: {exc}", file=sys.stderr)
+        return 2
+    result = train(config, stop_after=args.stop_after)
+    print(json.dumps(result, indent=2))
     return 0
 
 

@@ -1,6 +1,15 @@
 """DP training (issue 6): per-sample gradient norms without per-sample gradients (ghost norms,
-Phantom Clipping for tied embeddings), DP-SGD/DP-Adam, Re-Attention. Pure torch, no vLLM."""
+Phantom Clipping for tied embeddings), DP-SGD/DP-Adam with Poisson sampling and an accountant,
+Re-Attention, and ``vllm-dp train``. Pure torch, no vLLM."""
 
+from .accounting import TrainingAccountant, noise_multiplier_for
+from .engine import (
+    DPConfig,
+    DPEngine,
+    causal_lm_per_sample_loss,
+    warmup_linear_decay,
+    warmup_linear_decay_scheduler,
+)
 from .norms import (
     bias_sq_norms,
     layernorm_sq_norms,
@@ -9,12 +18,23 @@ from .norms import (
     rmsnorm_sq_norms,
     tied_embedding_sq_norms,
 )
+from .sampling import PoissonSampler, shard_for_rank, virtual_batches
 
 __all__ = [
+    "DPConfig",
+    "DPEngine",
+    "PoissonSampler",
+    "TrainingAccountant",
     "bias_sq_norms",
+    "causal_lm_per_sample_loss",
     "layernorm_sq_norms",
     "linear_sq_norms",
     "lookup_sq_norms",
+    "noise_multiplier_for",
     "rmsnorm_sq_norms",
+    "shard_for_rank",
     "tied_embedding_sq_norms",
+    "virtual_batches",
+    "warmup_linear_decay",
+    "warmup_linear_decay_scheduler",
 ]

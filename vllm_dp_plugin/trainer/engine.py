@@ -429,6 +429,15 @@ class DPEngine:
                 dist.all_reduce(total)
             param.grad = (total / self.config.expected_batch_size).to(param.dtype)
 
+    def noise_state(self) -> torch.Tensor:
+        """The noise generator's state (for checkpoints; as secret as the data: with it the noise
+        of every later step is known)."""
+        return self._generator.get_state()
+
+    def set_noise_state(self, state: torch.Tensor) -> None:
+        """Continue the noise stream of a checkpoint, so a resumed seeded run never replays a draw."""
+        self._generator.set_state(state)
+
     def detach(self) -> None:
         """Remove the engine's hooks; the model is then a plain model again."""
         for handle in self._handles:

@@ -1,0 +1,88 @@
+"""`vllm-dp train`: config validation, records, the spent budget, export, and a resumed run equal
+to an uninterrupted one (same seed: the noise generator continues, it never replays a draw)."""
+
+import json
+
+import pytest
+import torch
+
+from vllm_dp_plugin.trainer.train import REPORT, TrainConfig, make_records, plan_run, train
+
+SHAPE = {"vocab_size": 2048, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+         "num_attention_heads": 2, "num_key_value_heads": 1}
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    from vllm_dp_plugin.demo import DemoLlamaShape, make_demo_llama, public_corpus
+
+    root = tmp_path_factory.mktemp("train")
+    model = make_demo_llama(root / "llama", DemoLlamaShape(**SHAPE))
+    data = root / "data.txt"
+    data.write_text("\n\n".join(doc[:400] for doc in public_corpus()[:60]))
+    return model, data
+
+
+def config(tiny_llama, out, **overrides):
+    model, data = tiny_llama
+    return TrainConfig(**{"model": str(model), "output_dir": str(out), "data": str(data), "seq_len": 16,
+                          "epsilon": 4.0, "epochs": 0.3, "batch_size": 32, "max_physical_batch": 16, "seed": 0,
+                          "checkpoint_every": 100, **overrides})
+
+
+def test_bad_options_are_refused_with_their_name(tmp_path, tiny_llama):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: m\noutput_dir: o\nlearning_rat: 0.1\n")
+    with pytest.raises(ValueError, match="learning_rat"):
+        TrainConfig.from_file(bad)
+    with pytest.raises(ValueError, match="epsilon"):
+        config(tiny_llama, tmp_path, epsilon=0.0)
+    with pytest.raises(ValueError, match="batch_size 10000 exceeds"):
+        plan_run(config(tiny_llama, tmp_path, batch_size=10000), 100)
+
+
+def test_records_are_windows_with_bos_and_masked_padding(tiny_llama):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama[0])
+    docs = ["alpha beta gamma delta " * 5, "x"]
+    records = make_records(docs, tokenizer, seq_len=8)
+    first = [tokenizer.bos_token_id] + tokenizer.encode(docs[0], add_special_tokens=False)
+    assert records.ids[0].tolist() == first[:8]
+    n = len(first)
+    assert len(records) == -(-n // 8) + 1  # the windows of doc 0, then "<s> x"
+    last = records.mask[-1].sum()
+    assert int(last) == 2 and (records.labels[-1, 2:] == -100).all()
+
+
+def test_training_spends_the_target_and_exports_a_servable_directory(tmp_path, tiny_llama):
+    from transformers import AutoModelForCausalLM
+
+    cfg = config(tiny_llama, tmp_path)
+    result = train(cfg, progress=False)
+    assert 0.97 * cfg.epsilon <= result["epsilon"] <= cfg.epsilon  # calibrated, never over
+    assert result["delta"] == pytest.approx(1 / (2 * result["records"]))
+    assert json.loads((tmp_path / REPORT).read_text()) == result
+    assert json.loads((tmp_path / "model" / REPORT).read_text()) == result
+    assert not (tmp_path / "checkpoint.pt").exists()
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
+    start = AutoModelForCausalLM.from_pretrained(tiny_llama[0])
+    assert not torch.equal(model.model.norm.weight, start.model.norm.weight)  # it trained
+
+
+def test_a_resumed_run_equals_an_uninterrupted_one(tmp_path, tiny_llama):
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    full = train(config(tiny_llama, whole), progress=False)
+    stopped = train(config(tiny_llama, parts), progress=False, stop_after=2)
+    assert stopped["stopped_at"] == 2 and stopped["epsilon"] < full["epsilon"]
+    assert train(config(tiny_llama, parts), progress=False) == full
+    from safetensors.torch import load_file
+
+    a, b = load_file(whole / "model" / "model.safetensors"), load_file(parts / "model" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_checkpoint_of_another_config_is_refused(tmp_path, tiny_llama):
+    train(config(tiny_llama, tmp_path), progress=False, stop_after=1)
+    with pytest.raises(ValueError, match="different training config"):
+        train(config(tiny_llama, tmp_path, learning_rate=0.5), progress=False)
