@@ -17,9 +17,11 @@ DP; ``dp_sequence_frequencies`` is that release (Gaussian histogram, spec 4.2 [C
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+import sys
+from dataclasses import dataclass, field, replace
 
 import torch
+from torch import nn
 
 from vllm_dp_plugin.privacy.mechanisms import Mechanism, gaussian_from_noise_multiplier
 from vllm_dp_plugin.privacy.validation import check_delta, check_positive
@@ -250,16 +252,18 @@ def swiglu_variance(
 
 @torch.no_grad()
 def logit_correction(
-    q: torch.Tensor, v_key: torch.Tensor, max_corr: float = math.inf
+    q: torch.Tensor, v_key: torch.Tensor, max_corr: float = math.inf, scaling: float | None = None
 ) -> torch.Tensor:
-    """Spec 4.4: the logit ``<q_t, K_j>/sqrt(d_h)`` with ``K_j ~ N(k_j, v_j I)`` inflates
-    ``E[exp]`` by ``exp(||q_t||^2 v_j / (2 d_h))``; returns ``min(||q_t||^2 v_j / (2 d_h), kappa)``
-    to subtract from the logits before the (renormalising) softmax.
+    """Spec 4.4: the logit ``c <q_t, K_j>`` (``c = scaling``, default ``1/sqrt(d_h)``) with
+    ``K_j ~ N(k_j, v_j I)`` inflates ``E[exp]`` by ``exp(c^2 ||q_t||^2 v_j / 2)``; returns
+    ``min(c^2 ||q_t||^2 v_j / 2, kappa)`` (``||q_t||^2 v_j / (2 d_h)`` by default) to subtract from
+    the logits before the (renormalising) softmax.
 
     ``q: [B, H, T, d_h]`` queries, ``v_key: [B, H, S]`` key variances -> ``[B, H, T, S]``
     (float32 or float64). Only key variance is corrected (query noise ignored, as in the paper)."""
+    c_sq = 1.0 / q.shape[-1] if scaling is None else scaling * scaling
     q_sq = _wide(q).pow(2).sum(-1)
-    return (q_sq.unsqueeze(-1) * _wide(v_key).unsqueeze(-2) / (2 * q.shape[-1])).clamp(max=max_corr)
+    return (q_sq.unsqueeze(-1) * _wide(v_key).unsqueeze(-2) * (c_sq / 2)).clamp(max=max_corr)
 
 
 @dataclass(frozen=True, eq=False)
@@ -330,10 +334,273 @@ def _frequencies(
     return TokenFrequencies(p, mechanism)
 
 
+# ---------------------------------------------------------------- Hugging Face models
+
+REATTENTION_IMPLEMENTATION = "dp_reattention"
+_PATCH_ATTR, _STREAM_ATTR = "_dp_reattention_patch", "_dp_reattention_stream"
+
+
+def _rms_eps(module: nn.Module, x: torch.Tensor) -> float:
+    """Epsilon of Llama's RMSNorm (``variance_epsilon``) or ``torch.nn.RMSNorm`` (``eps``, None =
+    the dtype's machine epsilon)."""
+    eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+    return torch.finfo(x.dtype).eps if eps is None else eps
+
+
+def _torch_layout(module: nn.Module) -> torch.Tensor:
+    """Weight ``[d_out, d_in]`` of an ``nn.Linear`` or a Hugging Face ``Conv1D`` (stored
+    ``[d_in, d_out]``)."""
+    return module.weight.T if type(module).__name__ == "Conv1D" else module.weight
+
+
+class _VarianceStream:
+    """Scalar-per-token variances of one forward pass of a patched model, written by forward hooks
+    in call order: ``residual`` is the residual stream, ``block_in`` the latest norm's output,
+    ``key``/``value`` ``[B, H_kv, T]`` of the latest attention layer, ``context`` ``[B, T]`` its
+    head-concatenated output, ``mlp_in`` the pre-activations (output, variance) of the latest MLP."""
+
+    def __init__(self, cfg: ReAttentionConfig, act: str):
+        self.cfg, self.act = cfg, act
+        self.residual = self.block_in = self.key = self.value = self.context = None
+        self.mlp_in: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def start(self, module: nn.Module, args: tuple) -> None:
+        """Model pre-forward hook: forget the previous pass."""
+        self.residual = None
+
+    def _linear(self, module: nn.Module, v_in: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Linear rule through ``module`` (``nn.Linear`` or ``Conv1D``) with actual input ``x``."""
+        weight, bias = _torch_layout(module), module.bias is not None
+        return linear_variance(v_in, x, weight, self.cfg.block_variance(), bias)
+
+    def embedding(self, learned_positions: bool):
+        """Hook on the token lookup: the residual stream starts at ``cfg.input_variance``."""
+
+        def hook(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+            ids = args[0]
+            self.residual = self.cfg.input_variance(
+                ids, torch.ones_like(ids, dtype=torch.bool), learned_positions
+            )
+
+        return hook
+
+    def _stream(self) -> torch.Tensor:
+        if self.residual is None:
+            raise ValueError(
+                "Re-Attention needs input_ids (the embedding lookup), not inputs_embeds"
+            )
+        return self.residual
+
+    def norm(self, module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        s2 = self.cfg.block_variance()
+        if isinstance(module, nn.LayerNorm):
+            self.block_in = layernorm_variance(
+                self._stream(), args[0], module.weight, module.bias, module.eps, s2
+            )
+        else:
+            self.block_in = rmsnorm_variance(
+                self._stream(), args[0], module.weight, _rms_eps(module, args[0]), s2
+            )
+
+    def projection(self, slot: str, heads: int, rows: slice = slice(None)):
+        """Hook storing the per-head variance of ``rows`` of a projection's outputs as ``slot``."""
+
+        def hook(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+            weight = _torch_layout(module)[rows]
+            bias = module.bias is not None
+            v = head_linear_variance(
+                self.block_in, args[0], weight, self.cfg.block_variance(), heads, bias
+            )
+            setattr(self, slot, v)
+
+        return hook
+
+    def mlp_input(self, name: str):
+        """Hook keeping an MLP input projection's output (pre-activation) and its variance."""
+
+        def hook(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+            self.mlp_in[name] = (out, self._linear(module, self.block_in, args[0]))
+
+        return hook
+
+    def _activation(self) -> torch.Tensor:
+        if self.act == "swiglu":
+            return swiglu_variance(*self.mlp_in["gate"], *self.mlp_in["up"])
+        return gelu_variance(*self.mlp_in["fc"], self.cfg.gelu_mode)
+
+    def residual_branch(self, source: str):
+        """Hook of a layer whose output is added to the residual stream; its input variance is the
+        attention context (``source='attention'``) or the MLP activation (``'mlp'``)."""
+
+        def hook(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+            v_in = self.context if source == "attention" else self._activation()
+            self.residual = residual_variance(self._stream(), self._linear(module, v_in, args[0]))
+
+        return hook
+
+
+Plan = tuple[list[tuple[nn.Module, object]], list[nn.Module]]
+
+
+def _llama_hooks(model: nn.Module, stream: _VarianceStream) -> Plan:
+    """(module, forward hook) pairs in call order, and the attention modules."""
+    plan = [(model.model.embed_tokens, stream.embedding(learned_positions=False))]
+    kv_heads = model.config.num_key_value_heads
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        plan += [
+            (layer.input_layernorm, stream.norm),
+            (attn.k_proj, stream.projection("key", kv_heads)),
+            (attn.v_proj, stream.projection("value", kv_heads)),
+            (attn.o_proj, stream.residual_branch("attention")),
+            (layer.post_attention_layernorm, stream.norm),
+            (mlp.gate_proj, stream.mlp_input("gate")),
+            (mlp.up_proj, stream.mlp_input("up")),
+            (mlp.down_proj, stream.residual_branch("mlp")),
+        ]
+    return plan, [layer.self_attn for layer in model.model.layers]
+
+
+def _gpt2_hooks(model: nn.Module, stream: _VarianceStream) -> Plan:
+    """As ``_llama_hooks``; ``c_attn`` is the fused QKV projection (rows q | k | v)."""
+    plan = [(model.transformer.wte, stream.embedding(learned_positions=True))]
+    d, heads = model.config.n_embd, model.config.n_head
+    for block in model.transformer.h:
+        plan += [
+            (block.ln_1, stream.norm),
+            (block.attn.c_attn, stream.projection("key", heads, slice(d, 2 * d))),
+            (block.attn.c_attn, stream.projection("value", heads, slice(2 * d, 3 * d))),
+            (block.attn.c_proj, stream.residual_branch("attention")),
+            (block.ln_2, stream.norm),
+            (block.mlp.c_fc, stream.mlp_input("fc")),
+            (block.mlp.c_proj, stream.residual_branch("mlp")),
+        ]
+    return plan, [block.attn for block in model.transformer.h]
+
+
+_ARCHITECTURES = {"llama": (_llama_hooks, "swiglu"), "gpt2": (_gpt2_hooks, "gelu")}
+
+
+@torch.no_grad()
+def _per_query_head(v: torch.Tensor, heads: int) -> torch.Tensor:
+    """``[B, H_kv, S]`` -> ``[B, H, S]``: each KV head's variance for its query heads (GQA), in
+    the order of Hugging Face's ``repeat_kv``."""
+    return v.repeat_interleave(heads // v.shape[1], dim=1)
+
+
+def reattention_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs,
+):
+    """Hugging Face attention function (registered as ``"dp_reattention"``): the model's own
+    eager attention with the Re-Attention correction added to its additive mask, so a zero
+    correction gives exactly the eager result. ``query: [B, H, T, d_h]``, ``key, value:
+    [B, H_kv, S, d_h]``; records the context variance for the output projection's hook."""
+    stream = getattr(module, _STREAM_ATTR)
+    eager = sys.modules[type(module).__module__].eager_attention_forward
+    if key.shape[-2] != stream.key.shape[-1]:
+        raise ValueError(
+            "Re-Attention does not support a KV cache: run the model with use_cache=False"
+        )
+    heads = query.shape[1]
+    corr = logit_correction(query, _per_query_head(stream.key, heads), stream.cfg.max_corr, scaling)
+    if attention_mask is None:
+        mask = -corr
+    else:  # masked entries stay at the dtype's minimum (no -inf rows)
+        mask = (attention_mask - corr).clamp_min(torch.finfo(attention_mask.dtype).min)
+    out, probs = eager(module, query, key, value, mask, scaling=scaling, dropout=dropout, **kwargs)
+    v_ctx = attention_output_variance(probs, _per_query_head(stream.value, heads))
+    stream.context = v_ctx.mean(1)
+    return out, probs
+
+
+@dataclass
+class ReAttentionPatch:
+    """What ``apply_reattention`` changed on a model, so that ``remove_reattention`` undoes it;
+    ``stream`` holds the latest forward's variances (diagnostics; None when disabled)."""
+
+    previous_implementation: str | None
+    handles: list = field(default_factory=list)
+    attention_modules: list = field(default_factory=list)
+    stream: _VarianceStream | None = None
+
+
+def apply_reattention(model: nn.Module, cfg: ReAttentionConfig) -> ReAttentionPatch:
+    """Add Re-Attention to a Hugging Face ``LlamaForCausalLM`` or ``GPT2LMHeadModel`` in place.
+
+    The variance of every activation is propagated with the rules of spec 4.3 by forward hooks
+    (embedding: ``cfg.input_variance``, plus the positional table for GPT-2; norms; K/V
+    projections per KV head; attention output ``sum_j S^2 v_V``; output projection; MLP: SwiGLU
+    rule (Llama) or ``cfg.gelu_mode`` (GPT-2); residual sums), and every self-attention layer
+    subtracts ``min(scaling^2 ||q||^2 v_K / 2, kappa)`` from its logits (post-RoPE keys: the
+    isotropic variance is rotation invariant; GQA: per KV head, each query head with its own
+    ``||q||^2``). ``cfg.enabled=False`` changes nothing.
+
+    Approximations (besides those of the rules themselves): padding (``attention_mask``) is not
+    used for the input variance (pad keys are masked anyway); dropout masks are constants (the
+    variance uses the dropped-out probabilities); GPT-2's tanh GELU uses the ReLU formula or the
+    exact-GELU delta method; the final norm and the LM head are not tracked (they do not feed any
+    attention). The patched attention is the model file's eager attention (equal to the unpatched
+    output bit for bit only if the model ran eager attention). Needs ``input_ids`` and no KV cache (``use_cache=False``; a cached step raises).
+    The variance stream runs under ``no_grad`` and calls no module, so the DP engine's per-module
+    hooks and gradients are unchanged."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    if hasattr(model, _PATCH_ATTR):
+        raise ValueError("Re-Attention is already applied to this model")
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in _ARCHITECTURES:
+        raise ValueError(
+            f"Re-Attention supports {sorted(_ARCHITECTURES)} models, got {model_type!r}"
+        )
+    planner, act = _ARCHITECTURES[model_type]
+    if act == "swiglu" and model.config.hidden_act != "silu":
+        raise ValueError(
+            f"the SwiGLU rule needs hidden_act='silu', got {model.config.hidden_act!r}"
+        )
+    patch = ReAttentionPatch(model.config._attn_implementation)
+    setattr(model, _PATCH_ATTR, patch)
+    if not cfg.enabled:
+        return patch
+    AttentionInterface.register(REATTENTION_IMPLEMENTATION, reattention_attention_forward)
+    AttentionMaskInterface.register(REATTENTION_IMPLEMENTATION, eager_mask)
+    patch.stream = stream = _VarianceStream(cfg, act)
+    hooks, patch.attention_modules = planner(model, stream)
+    patch.handles = [model.register_forward_pre_hook(stream.start)]
+    patch.handles += [module.register_forward_hook(hook) for module, hook in hooks]
+    for module in patch.attention_modules:
+        setattr(module, _STREAM_ATTR, stream)
+    model.config._attn_implementation = REATTENTION_IMPLEMENTATION
+    return patch
+
+
+def remove_reattention(model: nn.Module) -> None:
+    """Undo ``apply_reattention``: hooks removed, the previous attention implementation back."""
+    patch = getattr(model, _PATCH_ATTR, None)
+    if patch is None:
+        raise ValueError("Re-Attention is not applied to this model")
+    for handle in patch.handles:
+        handle.remove()
+    for module in patch.attention_modules:
+        delattr(module, _STREAM_ATTR)
+    model.config._attn_implementation = patch.previous_implementation
+    delattr(model, _PATCH_ATTR)
+
+
 __all__ = [
     "GELU_MODES",
+    "REATTENTION_IMPLEMENTATION",
     "ReAttentionConfig",
+    "ReAttentionPatch",
     "TokenFrequencies",
+    "apply_reattention",
     "attention_output_variance",
     "distinct_counts",
     "dp_sequence_frequencies",
@@ -342,7 +609,9 @@ __all__ = [
     "layernorm_variance",
     "linear_variance",
     "logit_correction",
+    "reattention_attention_forward",
     "relu_variance",
+    "remove_reattention",
     "residual_variance",
     "rmsnorm_variance",
     "sequence_frequencies",
