@@ -509,3 +509,15 @@ def test_gqa_head_order_matches_hugging_face_repeat_kv():
     torch.testing.assert_close(
         _per_query_head(v, 6), repeat_kv(v[..., None], 2)[..., 0], rtol=0, atol=0
     )
+
+
+def test_hf_patch_ignores_module_calls_outside_a_forward():
+    # the DP engine probes each hooked module standalone: the stream must not track such calls
+    from vllm_dp_plugin.trainer.reattention import apply_reattention
+
+    model = hf_model("gpt2")
+    patch = apply_reattention(model, ReAttentionConfig(5.0, 64, hf_token_p()))
+    model(hf_ids(), use_cache=False)
+    before = patch.stream.block_in
+    model.transformer.h[0].ln_1(torch.randn(5, HF_D))
+    assert patch.stream.block_in is before

@@ -360,13 +360,27 @@ class _VarianceStream:
     head-concatenated output, ``mlp_in`` the pre-activations (output, variance) of the latest MLP."""
 
     def __init__(self, cfg: ReAttentionConfig, act: str):
-        self.cfg, self.act = cfg, act
+        self.cfg, self.act, self.active = cfg, act, False
         self.residual = self.block_in = self.key = self.value = self.context = None
         self.mlp_in: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def start(self, module: nn.Module, args: tuple) -> None:
-        """Model pre-forward hook: forget the previous pass."""
-        self.residual = None
+        """Model pre-forward hook: forget the previous pass, track this one."""
+        self.residual, self.active = None, True
+
+    def stop(self, module: nn.Module, args: tuple, out: object) -> None:
+        """Model forward hook (also on exceptions): later standalone module calls (e.g. the DP
+        engine's formula probes) are not tracked."""
+        self.active = False
+
+    def only_in_forward(self, hook):
+        """``hook`` run only inside a forward pass of the patched model."""
+
+        def guarded(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+            if self.active:
+                hook(module, args, out)
+
+        return guarded
 
     def _linear(self, module: nn.Module, v_in: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Linear rule through ``module`` (``nn.Linear`` or ``Conv1D``) with actual input ``x``."""
@@ -573,8 +587,13 @@ def apply_reattention(model: nn.Module, cfg: ReAttentionConfig) -> ReAttentionPa
     AttentionMaskInterface.register(REATTENTION_IMPLEMENTATION, eager_mask)
     patch.stream = stream = _VarianceStream(cfg, act)
     hooks, patch.attention_modules = planner(model, stream)
-    patch.handles = [model.register_forward_pre_hook(stream.start)]
-    patch.handles += [module.register_forward_hook(hook) for module, hook in hooks]
+    patch.handles = [
+        model.register_forward_pre_hook(stream.start),
+        model.register_forward_hook(stream.stop, always_call=True),
+    ]
+    patch.handles += [
+        module.register_forward_hook(stream.only_in_forward(hook)) for module, hook in hooks
+    ]
     for module in patch.attention_modules:
         setattr(module, _STREAM_ATTR, stream)
     model.config._attn_implementation = REATTENTION_IMPLEMENTATION
