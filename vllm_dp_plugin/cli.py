@@ -28,6 +28,7 @@ BENCH_SUITES = {  # `vllm-dp bench SUITE` -> (module in vllm_dp_plugin.benchmark
     "prompt": ("prompt", "prompt privatization: token preservation and sentence cosine vs eps, true delta"),
     "prompt-ttft": ("prompt_ttft", "prompt privatization: overhead on vLLM time to first token"),
     "prompt-speed": ("prompt_speed", "prompt privatization: privatized tokens/s (nearest candidate, privatizer)"),
+    "dpformer": ("dpformer", "DPFormer reproduction: NDCG@10/HIT@10 vs eps with and without Re-Attention"),
     "train": ("train", "DP training: step time and peak memory vs non-private, Opacus ghost clipping, torch.func"),
 }
 

@@ -10,6 +10,7 @@ from .engine import (
     warmup_linear_decay,
     warmup_linear_decay_scheduler,
 )
+from .metrics import RankingMetrics, evaluate_ranking
 from .norms import (
     bias_sq_norms,
     layernorm_sq_norms,
@@ -18,19 +19,33 @@ from .norms import (
     rmsnorm_sq_norms,
     tied_embedding_sq_norms,
 )
+from .reattention import (
+    ReAttentionConfig,
+    apply_reattention,
+    dp_sequence_frequencies,
+    remove_reattention,
+)
+from .recsys import DPFormerRec
 from .sampling import PoissonSampler, shard_for_rank, virtual_batches
 
 __all__ = [
     "DPConfig",
     "DPEngine",
+    "DPFormerRec",
     "PoissonSampler",
+    "RankingMetrics",
+    "ReAttentionConfig",
     "TrainingAccountant",
+    "apply_reattention",
     "bias_sq_norms",
     "causal_lm_per_sample_loss",
+    "dp_sequence_frequencies",
+    "evaluate_ranking",
     "layernorm_sq_norms",
     "linear_sq_norms",
     "lookup_sq_norms",
     "noise_multiplier_for",
+    "remove_reattention",
     "rmsnorm_sq_norms",
     "shard_for_rank",
     "tied_embedding_sq_norms",
