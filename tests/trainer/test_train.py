@@ -86,3 +86,16 @@ def test_a_checkpoint_of_another_config_is_refused(tmp_path, tiny_llama):
     train(config(tiny_llama, tmp_path), progress=False, stop_after=1)
     with pytest.raises(ValueError, match="different training config"):
         train(config(tiny_llama, tmp_path, learning_rate=0.5), progress=False)
+
+
+def test_reattention_shares_the_budget_and_is_dropped_from_the_export(tmp_path, tiny_llama):
+    cfg = config(tiny_llama, tmp_path, reattention=True, frequency_noise=30.0)
+    result = train(cfg, progress=False)
+    parts = result["training"], result["reattention_frequencies"]
+    assert result["epsilon"] == pytest.approx(parts[0]["epsilon"] + parts[1]["epsilon"])
+    assert 0.97 * cfg.epsilon <= result["epsilon"] <= cfg.epsilon  # the whole run within the budget
+    assert result["delta"] == pytest.approx(1 / (2 * result["records"]))  # split in halves
+    saved = json.loads((tmp_path / "model" / "config.json").read_text())
+    assert "reattention" not in json.dumps(saved)  # served with plain attention
+    with pytest.raises(ValueError, match="histogram alone"):
+        plan_run(config(tiny_llama, tmp_path, reattention=True, frequency_noise=0.05), 500)

@@ -18,15 +18,23 @@ import json
 import logging
 import math
 import os
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 import torch
 
+from ..privacy.mechanisms import Mechanism, gaussian_from_noise_multiplier
 from ..privacy.validation import check_count, check_delta, check_epsilon, check_positive
 from .accounting import TrainingAccountant, noise_multiplier_for
 from .engine import DPConfig, DPEngine, causal_lm_per_sample_loss, warmup_linear_decay_scheduler
+from .reattention import (
+    ReAttentionConfig,
+    apply_reattention,
+    dp_sequence_frequencies,
+    remove_reattention,
+)
 from .sampling import PoissonSampler, virtual_batches
 
 CHECKPOINT = "checkpoint.pt"
@@ -57,6 +65,9 @@ class TrainConfig:
     clipping: Literal["automatic", "flat"] = "automatic"
     accountant: Literal["rdp", "pld"] = "rdp"
     seed: int | None = None  # None: sampling and noise from OS entropy (deployment)
+    reattention: bool = False  # DPFormer Re-Attention while training (dropped when served)
+    reattention_lambda: float = 1.0  # spec 4.5 lambda: scales every parameter variance
+    frequency_noise: float = 20.0  # noise multiplier of the DP histogram of p_v (Re-Attention only)
     checkpoint_every: int = 50  # steps
 
     def __post_init__(self) -> None:
@@ -65,6 +76,7 @@ class TrainConfig:
             check_delta(self.delta, "delta")
         check_positive(self.epochs, "epochs")
         check_positive(self.learning_rate, "learning_rate")
+        check_positive(self.frequency_noise, "frequency_noise")
         for name in ("seq_len", "batch_size", "max_physical_batch", "checkpoint_every"):
             check_count(getattr(self, name), name)
         if self.seq_len < 2:
@@ -135,24 +147,37 @@ def make_records(docs: list[str], tokenizer, seq_len: int) -> Records:
 
 @dataclass(frozen=True)
 class Plan:
-    """What the run will spend: ``sample_rate`` q, ``steps``, ``noise_multiplier`` sigma, ``delta``."""
+    """What the run will spend: ``sample_rate`` q, ``steps``, ``noise_multiplier`` sigma and
+    ``delta`` of DP-SGD, and with Re-Attention the ``frequencies`` histogram's mechanism."""
 
     records: int
     sample_rate: float
     steps: int
     noise_multiplier: float
     delta: float
+    frequencies: Mechanism | None = None
 
 
 def plan_run(config: TrainConfig, records: int) -> Plan:
-    """q = B / N, steps = ceil(epochs / q), sigma from the accountant for (epsilon, delta)."""
+    """q = B / N, steps = ceil(epochs / q), sigma from the accountant. The budget (epsilon,
+    delta) is the whole run's: with Re-Attention the p_v histogram takes its epsilon at delta / 2
+    first and DP-SGD gets the rest (basic composition)."""
     if config.batch_size > records:
         raise ValueError(f"batch_size {config.batch_size} exceeds the {records} training records")
     rate = config.batch_size / records
     steps = math.ceil(config.epochs / rate)
     delta = config.delta if config.delta is not None else 1.0 / (2 * records)
-    sigma = noise_multiplier_for(config.epsilon, delta, rate, steps, accountant=config.accountant)
-    return Plan(records, rate, steps, sigma, delta)
+    histogram = None
+    if config.reattention:
+        delta /= 2
+        histogram = gaussian_from_noise_multiplier(math.sqrt(config.seq_len), config.frequency_noise, delta,
+                                                   name="token frequency histogram")
+        if histogram.epsilon >= config.epsilon:
+            raise ValueError(f"the p_v histogram alone spends epsilon {histogram.epsilon:.3g} >= {config.epsilon}: "
+                             "raise frequency_noise or epsilon")
+    epsilon = config.epsilon - (histogram.epsilon if histogram else 0.0)
+    sigma = noise_multiplier_for(epsilon, delta, rate, steps, accountant=config.accountant)
+    return Plan(records, rate, steps, sigma, delta, histogram)
 
 
 def train(config: TrainConfig, progress: bool = True, stop_after: int | None = None) -> dict:
@@ -177,6 +202,8 @@ def train(config: TrainConfig, progress: bool = True, stop_after: int | None = N
         clip_norm=config.clip_norm, noise_multiplier=plan.noise_multiplier,
         expected_batch_size=config.batch_size, clipping=config.clipping, seed=config.seed,
     ))
+    if config.reattention:
+        _apply_reattention(config, plan, data, model)
     optimizer = _optimizer(config, model)
     scheduler = warmup_linear_decay_scheduler(optimizer, plan.steps, config.warmup_frac)
     accountant = TrainingAccountant(plan.noise_multiplier, plan.sample_rate, plan.delta, accountant=config.accountant)
@@ -206,7 +233,23 @@ def train(config: TrainConfig, progress: bool = True, stop_after: int | None = N
             return {"stopped_at": done, "steps": plan.steps, "epsilon": accountant.epsilon()}
     bar.close()
     engine.detach()
+    if config.reattention:
+        remove_reattention(model)  # served models run plain attention (README: DP training)
     return export(model, tokenizer, out, report(config, plan, accountant))
+
+
+def _apply_reattention(config: TrainConfig, plan: Plan, data: Records, model) -> None:
+    """Patch ``model`` with Re-Attention (spec 4) whose token frequencies ``p_v`` are the
+    Gaussian histogram ``plan.frequencies`` of the records (L2 sensitivity sqrt(seq_len))."""
+    seed = secrets.randbits(63) if config.seed is None else config.seed + 1
+    ids = data.ids.masked_fill(data.mask == 0, 0)  # id 0 stands for padding here (not counted)
+    released = dp_sequence_frequencies(ids, model.config.vocab_size, config.frequency_noise,
+                                       torch.Generator().manual_seed(seed), plan.delta, pad_id=0)
+    cfg = ReAttentionConfig(sigma_dp=plan.noise_multiplier, batch_size=config.batch_size,
+                            token_p=released.token_p, lam=config.reattention_lambda)
+    if released.mechanism.epsilon != plan.frequencies.epsilon:
+        raise RuntimeError("the p_v histogram differs from the one the plan accounted")
+    apply_reattention(model, cfg)
 
 
 def _optimizer(config: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -258,10 +301,19 @@ def _resume(path: Path, config, model, optimizer, scheduler, sampler: PoissonSam
 
 
 def report(config: TrainConfig, plan: Plan, accountant: TrainingAccountant) -> dict:
-    """The privacy statement of the run, in the units the guarantee is about."""
+    """The privacy statement of the run, in the units the guarantee is about. With Re-Attention
+    the p_v histogram is a second release on the same records: the totals add both (basic
+    composition) and each part is listed."""
+    training, frequencies = accountant.epsilon(), plan.frequencies
+    extra = {} if frequencies is None else {
+        "training": {"epsilon": training, "delta": plan.delta},
+        "reattention_frequencies": {"epsilon": frequencies.epsilon, "delta": frequencies.delta,
+                                    "mechanism": frequencies.name, "noise_multiplier": config.frequency_noise},
+    }
     return {
-        "epsilon": accountant.epsilon(),
-        "delta": plan.delta,
+        "epsilon": training + (frequencies.epsilon if frequencies else 0.0),
+        "delta": plan.delta + (frequencies.delta if frequencies else 0.0),
+        **extra,
         "target_epsilon": config.epsilon,
         "unit": f"one training record (a window of <= {config.seq_len} tokens of one document), "
                 "add/remove neighbours under Poisson sampling",
@@ -273,6 +325,7 @@ def report(config: TrainConfig, plan: Plan, accountant: TrainingAccountant) -> d
         "clipping": config.clipping,
         "accountant": config.accountant,
         "optimizer": config.optimizer,
+        "reattention": config.reattention,
     }
 
 
