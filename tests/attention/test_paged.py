@@ -95,3 +95,19 @@ def test_splitting_at_the_private_boundary_and_merging_is_exact(split):
 def test_request_of_tokens():
     layout = BatchLayout(torch.tensor([0, 3, 3, 5]), torch.tensor([9, 4, 7]), torch.arange(5), torch.zeros(3, 1))
     assert layout.request_of_tokens().tolist() == [0, 0, 0, 2, 2]
+
+
+def test_public_queries_select_public_tokens_and_their_spans_once_per_step():
+    """Request 0 prefills positions 2..5 across the boundary P = 4, request 1 is empty, request 2
+    decodes position 9: the public tokens are 4, 5 (request 0) and 9 (request 2)."""
+    table = torch.arange(9).view(3, 3)
+    layout = BatchLayout(torch.tensor([0, 4, 4, 5]), torch.tensor([6, 3, 10]),
+                         torch.tensor([2, 3, 4, 5, 9]), table)
+    public = layout.public_queries(4)
+    assert public.tokens.tolist() == [False, False, True, True, True] and not public.everything
+    assert public.positions.tolist() == [4, 5, 9] and public.span.tolist() == [0, 0, 1]
+    assert public.start.tolist() == [4, 4] and public.end.tolist() == [6, 10]
+    assert public.block_table.tolist() == [[0, 1, 2], [6, 7, 8]]
+    assert layout.public_queries(4) is public  # shared by every layer of the step
+    decode = BatchLayout(torch.tensor([0, 1, 2]), torch.tensor([7, 9]), torch.tensor([6, 8]), table[:2])
+    assert decode.public_queries(4).everything and decode.public_queries(4).span.tolist() == [0, 1]

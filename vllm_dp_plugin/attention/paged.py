@@ -48,6 +48,54 @@ class BatchLayout:
         counts = (self.query_start[1:] - self.query_start[:-1]).long()
         return torch.repeat_interleave(torch.arange(self.num_requests), counts)
 
+    def public_queries(self, first_row: int) -> PublicQueries:
+        """The step's tokens at positions >= ``first_row`` and the rows their exact part reads;
+        computed once per step and shared by every layer (cached on this layout)."""
+        cache = self.__dict__.setdefault("_public_queries", {})  # frozen: no setattr
+        if first_row not in cache:
+            cache[first_row] = _public_queries(self, first_row)
+        return cache[first_row]
+
+
+@dataclass(frozen=True)
+class PublicQueries:
+    """Query tokens at positions >= ``first_row`` of a step: ``tokens`` selects them among the
+    step's tokens (``slice(None)`` when every token is public, else a ``[T]`` mask);
+    ``positions, span: [m]`` (span: index into the R requests holding them, in order);
+    ``start, end: [R]`` = ``first_row`` and the request's ``seq_len`` (the rows the exact part
+    reads); ``block_table: [R, max_blocks]``."""
+
+    tokens: slice | torch.Tensor
+    positions: torch.Tensor
+    span: torch.Tensor
+    start: torch.Tensor
+    end: torch.Tensor
+    block_table: torch.Tensor
+
+    @property
+    def count(self) -> int:
+        return self.positions.shape[0]
+
+    @property
+    def everything(self) -> bool:
+        """Every token of the step is public (decode steps)."""
+        return isinstance(self.tokens, slice)
+
+
+def _public_queries(layout: BatchLayout, first_row: int) -> PublicQueries:
+    public = layout.positions >= first_row
+    tokens = slice(None) if bool(public.all()) else public
+    request = layout.request_of_tokens()[tokens]  # grouped by request, in order
+    requests = torch.unique_consecutive(request)
+    if requests.shape[0] == layout.num_requests:  # then requests == arange(B)
+        table = layout.block_table[: layout.num_requests]
+    else:
+        table = layout.block_table[requests.to(layout.block_table.device)]
+    return PublicQueries(
+        tokens, layout.positions[tokens], torch.searchsorted(requests, request),
+        torch.full_like(requests, first_row), layout.seq_lens[requests].long(), table,
+    )
+
 
 @dataclass(frozen=True)
 class Spans:

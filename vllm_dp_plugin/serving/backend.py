@@ -32,7 +32,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 
 from ..attention.merge import AttentionPart, merge_parts
-from ..attention.paged import BatchLayout, causal_part, gather_spans
+from ..attention.paged import BatchLayout, PublicQueries, causal_part, gather_spans
 from ..attention.private_context import HeadLayout, PrivateContextLayer
 from ..kernels.paged_exact import fused_available, paged_exact
 from ..privacy.keyed_noise import NoiseKey, context_id
@@ -140,37 +140,31 @@ class DPImplMixin:
         if self.attn_type == AttentionType.ENCODER_DECODER:
             return self._cross_forward(layer, query, key, value, attn_metadata, output)
         key_cache, value_cache = self._paged_kv(kv_cache, layer)
-        lay, length = attn_metadata.dp_layout, self._context.length
-        n = lay.positions.shape[0]
-        q, pos, req = query[:n], lay.positions, lay.request_of_tokens()
-        public = pos >= length
-        if not bool(public.all()):
+        n = attn_metadata.dp_layout.positions.shape[0]
+        public = attn_metadata.dp_layout.public_queries(self._context.length)
+        if not public.everything:
             # The context's own prefill (once per context with prefix caching): the parent's
             # kernel gives the exact causal attention its private queries need. Rows of public
             # tokens in this batch are overwritten below before anything reads them.
             super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
-        if bool(public.any()):  # DP over [0, P) merged with exact over [P, p]
-            tokens = slice(None) if bool(public.all()) else public  # decode steps: every token
-            exact = self._exact(q, pos, req, tokens, key_cache, value_cache, lay, length)
-            dp = self._private_layer(layer).answer(q[_on(tokens, q)])
+        if public.count:  # DP over [0, P) merged with exact over [P, p]
+            on = _on(public.tokens, query)
+            q = query[:n][on]
+            exact = self._exact(q, public, key_cache, value_cache)
+            dp = self._private_layer(layer).answer(q)
             merged = merge_parts(dp, AttentionPart(exact.out.double(), exact.lse.double()))
             rows = output[:n].view(n, self.num_heads, self.head_size)
-            rows[_on(tokens, q)] = merged.out.transpose(0, 1).to(output.dtype)
+            rows[on] = merged.out.transpose(0, 1).to(output.dtype)
         return output
 
-    def _exact(self, q, pos, req, tokens, key_cache, value_cache, lay, first_row: int) -> AttentionPart:
-        """Exact causal attention of the query tokens ``tokens`` (a mask or ``slice(None)``)
-        over rows [first_row, seq_len) of their own requests."""
-        requests = torch.unique_consecutive(req[tokens])  # tokens are grouped by request, in order
-        every = requests.shape[0] == lay.num_requests  # then requests == arange(B)
-        table = lay.block_table[: lay.num_requests] if every else lay.block_table[_on(requests, lay.block_table)]
-        start, end = torch.full_like(requests, first_row), lay.seq_lens[requests].long()
-        span_of_token = torch.searchsorted(requests, req[tokens])
+    def _exact(self, q, public: PublicQueries, key_cache, value_cache) -> AttentionPart:
+        """Exact causal attention of the public queries ``q: [m, H_q, d]`` over rows [P, p] of
+        their own requests (the fused CPU kernel, else the torch reference)."""
         if self._fused_exact:
-            return paged_exact(q[_on(tokens, q)], pos[tokens], span_of_token, key_cache, value_cache, table,
-                               start, end, self.scale)
-        spans = gather_spans(key_cache, value_cache, table, start, end)
-        return causal_part(q[_on(tokens, q)], pos[tokens], span_of_token, spans, self.scale)
+            return paged_exact(q, public.positions, public.span, key_cache, value_cache, public.block_table,
+                               public.start, public.end, self.scale)
+        spans = gather_spans(key_cache, value_cache, public.block_table, public.start, public.end)
+        return causal_part(q, public.positions, public.span, spans, self.scale)
 
     # ------------------------------------------------------------------ encoder-decoder
     def _cross_forward(self, layer, query, key, value, md, output):
