@@ -33,11 +33,16 @@ void block_logits(const float* q, const scalar_t* k, const Strides& ks, int64_t 
     }
     return;
   }
+  const int64_t dim_stride = ks.dim;
   for (int64_t i = 0; i < n; ++i) {
     const scalar_t* ki = k + i * ks.row;
     float acc = 0.f;
+    if (dim_stride == 1) {  // row-major: a contiguous, vectorised dot product
 #pragma omp simd reduction(+ : acc)
-    for (int64_t c = 0; c < d; ++c) acc += q[c] * static_cast<float>(ki[c * ks.dim]);
+      for (int64_t c = 0; c < d; ++c) acc += q[c] * static_cast<float>(ki[c]);
+    } else {
+      for (int64_t c = 0; c < d; ++c) acc += q[c] * static_cast<float>(ki[c * dim_stride]);
+    }
     out[i] = acc * scale;
   }
 }
