@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# DP training step time and peak memory on a CUDA machine (H100/H200 class) that has torch,
+# transformers and matplotlib but no vLLM, no Opacus and no network.
+#
+#   make gpu-wheels                    # once, on a machine with PyPI access: fills .gpu-wheels/
+#                                      # (it must include an opacus wheel: pip download opacus==1.6.0 --no-deps)
+#   bash benchmarks/gpu/train.sh [bench options...]      # on the GPU machine, from anywhere
+#
+# .gpu-wheels/ (git-ignored) must travel with the checkout (e.g. as a carried path). The script
+#   1. installs the missing pure/small dependencies (setup.sh) and Opacus (pure Python; its needs
+#      numpy, scipy, opt-einsum are on the machine) from .gpu-wheels/ only; without an opacus
+#      wheel the Opacus rows report "No module named 'opacus'" and the rest still runs;
+#   2. installs this repo editable without dependencies or index (setup.sh);
+#   3. runs `python -m vllm_dp_plugin.benchmarks.train --device cuda` once per autocast mode in
+#      TRAIN_AUTOCAST (default "none bf16"): GPT-2 small (124M, tied 50257 vocab, random init),
+#      batch 16 x 512 tokens; non-private vs ours (DPEngine, Phantom Clipping) vs Opacus ghost
+#      clipping (tied: expected to fail; untied head) vs torch.func per-sample gradients, and
+#      writes benchmarks/results/train-<gpu-name>[-bf16]-<date>.{md,json,png}.
+#
+# Environment: PYTHON (default python3), GPU_WHEELS (default .gpu-wheels), BENCH_DEVICE (default
+# cuda), BENCH_OUT (default benchmarks/results), TRAIN_AUTOCAST (default "none bf16"),
+# INSTALL_ONLY=1 (steps 1-2 only), SKIP_INSTALL=1 (skip steps 1-2). Dry run on a CPU box with the
+# dev venv:
+#   SKIP_INSTALL=1 BENCH_DEVICE=cpu BENCH_OUT=/tmp/dry PYTHON=.venv/bin/python \
+#       bash benchmarks/gpu/train.sh --quick
+# If $OUT is set (the device runner's output folder), the result files are copied there too.
+source "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
+
+if [[ "${SKIP_INSTALL:-0}" != "1" ]]; then
+    echo "== opacus from $WHEELS (no index, no deps)"
+    "$PY" -m pip install -q --no-deps --no-index --find-links "$WHEELS" opacus \
+        || echo "   no opacus wheel in $WHEELS: the Opacus rows will report the missing module" >&2
+fi
+
+"$PY" - <<'EOF'
+import importlib.util
+for mod in ("torch", "transformers", "opacus", "scipy", "opt_einsum", "matplotlib", "dp_accounting"):
+    try:
+        found = importlib.util.find_spec(mod) is not None
+    except ModuleNotFoundError:
+        found = False
+    print(f"  {mod}: {'present' if found else 'MISSING'}")
+EOF
+
+[[ "${INSTALL_ONLY:-0}" == "1" ]] && exit 0
+
+for mode in ${TRAIN_AUTOCAST:-none bf16}; do
+    echo "== train --device $DEVICE --autocast $mode --out $RESULTS $*"
+    PYTHONUNBUFFERED=1 "$PY" -m vllm_dp_plugin.benchmarks.train --device "$DEVICE" --autocast "$mode" \
+        --out "$RESULTS" "$@"
+done
+
+if [[ -n "${OUT:-}" && -d "${OUT}" ]]; then
+    cp "$RESULTS"/train-* "$OUT"/ 2>/dev/null || true
+    echo "== copied results to $OUT"
+fi

@@ -1,0 +1,739 @@
+"""``vllm-dp bench train``: step time and peak memory of DP training (dpformer spec 3.5, 6.6).
+
+One Hugging Face GPT-2 causal LM (``Conv1D`` projections, learned positions, LayerNorm, a 50257
+token vocabulary whose output head is tied to the input embedding), one fixed synthetic batch
+(seeded uniform token ids, every token a label), one run per method:
+
+* ``non_private``: the mean loss, one backward, Adam;
+* ``ours``: ``DPEngine`` (book-keeping: one backward w.r.t. the module outputs, ghost norms,
+  Phantom Clipping for the tied embedding, clipped sums, float64 Gaussian noise), Adam;
+* ``opacus_ghost``: Opacus 1.6 ghost clipping (``make_private(grad_sample_mode="ghost")``: two
+  backwards, ghost norms for Linear and Embedding, per-sample gradients for the layers it has
+  no norm rule for: LayerNorm by its own rule, Hugging Face Conv1D through ``torch.func``) on
+  the same tied model;
+* ``opacus_ghost_untied``: the same with an untied output head (``nn.Linear``), the model Opacus
+  can run (spec 3.5's "sane baseline": expect parity, not the paper's 100x);
+* ``naive_vmap``: per-sample gradients ``vmap(grad(loss))``, clipped, summed, noised, Adam;
+  skipped when ``B * P`` float32 per-sample gradients (x ``NAIVE_COPIES``) exceed half the free
+  memory.
+
+All DP methods clip flat (Abadi, ``min(1, C / n_i)``, as Opacus does) with noise multiplier
+``--noise-multiplier`` and add the noise in every step. Step time: the median of ``--steps``
+timed steps after ``--warmup`` untimed ones (the device synchronised around each step); the
+batch is fixed (no Poisson sampling, which would change the work per step).
+
+Peak memory, comparable across methods and devices: parameters + the most the steps allocate
+above what was in use before the first step (gradients, optimiser states, activations,
+per-sample state). CUDA: ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``.
+CPU: the process's resident-set high-water mark (``VmHWM``), reset through
+``/proc/self/clear_refs`` just before the first step; torch's CPU allocations are invisible to
+``tracemalloc``, and the profiler's memory view slows the steps it measures. Each method runs
+in its own process forked from a clean server process (``multiprocessing`` forkserver that has
+only imported the libraries), so one method's freed-but-cached memory, allocator state or CUDA
+context never counts for the next. Without ``clear_refs`` the CPU peak falls back to
+``ru_maxrss`` (not resettable: an upper bound that may include set-up peaks; the JSON says
+which).
+
+Also checks that our per-sample gradient norms equal the ``torch.func`` ones on the first batch
+(same initial weights, float32: relative tolerance ``NORM_RTOL``).
+
+Writes ``train-<device>[-bf16]-<date>.{md,json,png}`` into ``--out``. Run as
+``python -m vllm_dp_plugin.benchmarks.train`` (``--quick``: a toy model, seconds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import importlib.metadata
+import json
+import multiprocessing
+import os
+import platform
+import re
+import resource
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vllm_dp_plugin.trainer.engine import DPConfig, DPEngine, causal_lm_per_sample_loss
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+TARGET_TIME_RATIO = 1.5  # ours <= 1.5x the non-private step time
+TARGET_MEMORY_RATIO = 1.3  # ours <= 1.3x the non-private peak memory
+# float32 per-sample norms, the two sides reducing in different orders: the longest reduction is a
+# dot product over the vocabulary (K ~ 5e4 terms), relative rounding error ~ sqrt(K) * 6e-8 ~ 1.3e-5
+# (random-walk bound; positive sums of such terms do not amplify it). Measured: <= 3e-7.
+NORM_RTOL = 2e-5
+NAIVE_COPIES = 3  # per-sample gradients, their clipped/squared temporaries, vmap's own buffers
+PRELOAD = ["vllm_dp_plugin.benchmarks.train", "transformers.models.gpt2.modeling_gpt2", "opacus"]
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """GPT-2 shape and batch: ``batch`` sequences of ``seq_len`` tokens."""
+
+    vocab: int
+    n_embd: int
+    n_layer: int
+    n_head: int
+    seq_len: int
+    batch: int
+
+    def describe(self) -> str:
+        return (
+            f"GPT-2 vocab {self.vocab}, n_embd {self.n_embd}, {self.n_layer} layers, {self.n_head} heads; "
+            f"batch {self.batch} x seq {self.seq_len}"
+        )
+
+
+PRESETS = {
+    "toy": ModelSize(vocab=1000, n_embd=32, n_layer=1, n_head=2, seq_len=16, batch=4),
+    "tiny": ModelSize(vocab=50257, n_embd=128, n_layer=2, n_head=2, seq_len=128, batch=16),
+    "gpt2-small": ModelSize(vocab=50257, n_embd=768, n_layer=12, n_head=12, seq_len=512, batch=16),
+}
+
+
+@dataclass(frozen=True)
+class BenchSpec:
+    """Everything one method's run needs (picklable: it travels to the worker process)."""
+
+    size: ModelSize
+    device: str
+    autocast: str  # "none" or "bf16" (forward and loss under torch.autocast)
+    warmup: int
+    steps: int
+    seed: int
+    noise_multiplier: float
+    clip_norm: float
+    lr: float
+
+
+@dataclass(frozen=True)
+class Method:
+    """One way of taking a training step. ``build(model, batch, spec)`` returns the step
+    function, which returns the per-sample gradient norms ``[B]`` when the method has them."""
+
+    label: str
+    tied: bool
+    build: Callable[[nn.Module, Batch, BenchSpec], Callable[[], torch.Tensor | None]]
+    skip_reason: Callable[[ModelSize, int, torch.device], str] | None = None  # (size, parameters, device)
+
+
+# ---------------------------------------------------------------------------------- model, data
+
+
+@dataclass(frozen=True)
+class Batch:
+    """``ids, positions: [B, T]`` int64 on the device (positions contiguous: Opacus' embedding
+    norm rule views them flat); the labels are the ids (``causal_lm_per_sample_loss`` shifts
+    them). No padding, so no attention mask."""
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+
+    def inputs(self) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids, "position_ids": self.positions}
+
+    def shifted_labels(self) -> torch.Tensor:
+        """``[B, T]``: position t predicts ``ids[t + 1]``; the last position has no label (-100)."""
+        return F.pad(self.ids[:, 1:], (0, 1), value=-100)
+
+
+def build_model(size: ModelSize, tied: bool, seed: int, device: torch.device) -> nn.Module:
+    """A randomly initialised (seeded: equal weights in every worker) GPT-2 LM in train mode,
+    dropout off (so every method computes the same function)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        vocab_size=size.vocab, n_positions=size.seq_len, n_embd=size.n_embd, n_layer=size.n_layer,
+        n_head=size.n_head, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        tie_word_embeddings=tied, use_cache=False, bos_token_id=size.vocab - 1, eos_token_id=size.vocab - 1,
+    )
+    torch.manual_seed(seed)
+    return GPT2LMHeadModel(config).to(device).train()
+
+
+def synthetic_batch(size: ModelSize, seed: int, device: torch.device) -> Batch:
+    """Seeded uniform token ids ``[B, T]``, positions ``0..T-1`` per row, no padding."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    ids = torch.randint(0, size.vocab, (size.batch, size.seq_len), generator=gen)
+    positions = torch.arange(size.seq_len).repeat(size.batch, 1)
+    return Batch(ids.to(device), positions.to(device))
+
+
+def unique_parameter_count(model: nn.Module) -> int:
+    """Trainable scalars, a tied weight counted once."""
+    return sum(p.numel() for p in dict.fromkeys(model.parameters()) if p.requires_grad)
+
+
+def _autocast(spec: BenchSpec):
+    if spec.autocast == "bf16":
+        return torch.autocast(torch.device(spec.device).type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def _adam(model: nn.Module, spec: BenchSpec) -> torch.optim.Adam:
+    return torch.optim.Adam(dict.fromkeys(model.parameters()), lr=spec.lr)
+
+
+def _per_sample_loss(model: nn.Module, batch: Batch, spec: BenchSpec) -> torch.Tensor:
+    """``[B]`` mean next-token cross-entropy per sequence (float32 or wider)."""
+    with _autocast(spec):
+        logits = model(**batch.inputs()).logits
+        return causal_lm_per_sample_loss(logits, batch.ids)
+
+
+# ---------------------------------------------------------------------------------- methods
+
+
+def non_private_step(model: nn.Module, batch: Batch, spec: BenchSpec):
+    optimizer = _adam(model, spec)
+
+    def step() -> None:
+        _per_sample_loss(model, batch, spec).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def ours_step(model: nn.Module, batch: Batch, spec: BenchSpec):
+    engine = DPEngine(model, DPConfig(
+        noise_multiplier=spec.noise_multiplier, expected_batch_size=spec.size.batch,
+        clip_norm=spec.clip_norm, clipping="flat", seed=spec.seed,
+    ))
+    optimizer = _adam(model, spec)
+
+    def step() -> torch.Tensor:
+        norms = engine.backward(_per_sample_loss(model, batch, spec))
+        engine.finish_step()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return norms
+
+    return step
+
+
+def opacus_ghost_step(model: nn.Module, batch: Batch, spec: BenchSpec):
+    """Opacus' public ghost-clipping API; its data loader is built (``make_private`` needs one)
+    but the fixed batch is fed directly, without Poisson sampling, as for the other methods."""
+    from opacus import PrivacyEngine
+    from torch.utils.data import DataLoader, TensorDataset
+
+    loader = DataLoader(TensorDataset(batch.ids.cpu()), batch_size=spec.size.batch)
+    noise = torch.Generator(device=batch.ids.device).manual_seed(spec.seed)
+    wrapped, optimizer, criterion, _ = PrivacyEngine().make_private(
+        module=model, optimizer=_adam(model, spec), data_loader=loader, criterion=nn.CrossEntropyLoss(),
+        noise_multiplier=spec.noise_multiplier, max_grad_norm=spec.clip_norm, grad_sample_mode="ghost",
+        poisson_sampling=False, noise_generator=noise,
+    )
+    labels = batch.shifted_labels().flatten()
+
+    def step() -> None:
+        with _autocast(spec):
+            logits = wrapped(**batch.inputs()).logits
+            loss = criterion(logits.flatten(0, 1).float(), labels, shape=logits.shape)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def naive_vmap_step(model: nn.Module, batch: Batch, spec: BenchSpec):
+    """Per-sample gradients of every parameter (``torch.func.vmap(grad)``; the tied weight is one
+    entry, its two uses summed by ``functional_call``), flat clipping, float64 noise, Adam. Each
+    sample runs alone with the model's default positions ``0..T-1`` (equal to the batch's): given
+    ``position_ids``, Hugging Face probes them for packed sequences with data-dependent control
+    flow, which ``vmap`` refuses."""
+    from torch.func import functional_call, grad, vmap
+
+    params = dict(model.named_parameters())  # a tied weight appears once
+    optimizer = _adam(model, spec)
+    noise = torch.Generator(device=batch.ids.device).manual_seed(spec.seed)
+
+    def sample_loss(values: dict, ids: torch.Tensor) -> torch.Tensor:
+        with _autocast(spec):
+            logits = functional_call(model, values, (ids[None],)).logits
+            return causal_lm_per_sample_loss(logits, ids[None])[0]
+
+    per_sample_grads = vmap(grad(sample_loss), in_dims=(None, 0))
+
+    def step() -> torch.Tensor:
+        grads = per_sample_grads({n: p.detach() for n, p in params.items()}, batch.ids)
+        norms = sum(g.flatten(1).pow(2).sum(1, dtype=torch.float64) for g in grads.values()).sqrt()
+        factors = (spec.clip_norm / norms).clamp(max=1.0).float()
+        for name, param in params.items():
+            total = torch.einsum("b,b...->...", factors, grads[name].float())
+            draw = torch.randn(total.shape, dtype=torch.float64, generator=noise, device=total.device)
+            total += (spec.noise_multiplier * spec.clip_norm * draw).float()
+            param.grad = (total / spec.size.batch).to(param.dtype)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return norms
+
+    return step
+
+
+def free_bytes(device: torch.device) -> int:
+    """Free memory in bytes: CUDA free device memory, else the host's MemAvailable."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return _proc_kib("/proc/meminfo", "MemAvailable") * 1024
+
+
+def _proc_kib(path: str, key: str) -> int:
+    """The ``key: N kB`` value of a /proc file (``/proc/meminfo``, ``/proc/self/status``), in KiB."""
+    with open(path) as fh:
+        match = re.search(rf"^{key}:\s+(\d+) kB", fh.read(), re.MULTILINE)
+    if match is None:
+        raise OSError(f"{key} not in {path}")
+    return int(match.group(1))
+
+
+def naive_skip_reason(size: ModelSize, params: int, device: torch.device) -> str:
+    """Non-empty when the per-sample gradients would not fit comfortably."""
+    need, free = NAIVE_COPIES * size.batch * params * 4, free_bytes(device)
+    if need <= free / 2:
+        return ""
+    return (
+        f"skipped: per-sample gradients need ~{need / 2**30:.1f} GiB ({NAIVE_COPIES} x B x P x 4 bytes), "
+        f"more than half of the {free / 2**30:.1f} GiB free"
+    )
+
+
+METHODS = {
+    "non_private": Method("non-private (mean loss, Adam)", tied=True, build=non_private_step),
+    "ours": Method("ours: DPEngine, Phantom Clipping", tied=True, build=ours_step),
+    "opacus_ghost": Method("Opacus 1.6 ghost clipping (tied)", tied=True, build=opacus_ghost_step),
+    "opacus_ghost_untied": Method("Opacus 1.6 ghost clipping (untied head)", tied=False, build=opacus_ghost_step),
+    "naive_vmap": Method(
+        "naive per-sample grads (torch.func vmap)", tied=True, build=naive_vmap_step, skip_reason=naive_skip_reason
+    ),
+}
+
+
+# ---------------------------------------------------------------------------------- measurement
+
+
+class PeakMemory:
+    """Bytes allocated above the level at construction, at the highest point since (see the
+    module docstring): CUDA allocator peak, or the CPU resident-set high-water mark."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            self.measure, self.start = "cuda max_memory_allocated", torch.cuda.memory_allocated(device)
+            return
+        try:
+            with open("/proc/self/clear_refs", "w") as fh:
+                fh.write("5")  # resets VmHWM to the current VmRSS
+            self.measure = "VmHWM (reset)"
+        except OSError:
+            self.measure = "ru_maxrss (no reset: an upper bound, set-up peaks included)"
+        self.start = _proc_kib("/proc/self/status", "VmRSS") * 1024
+
+    def extra_bytes(self) -> int:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) - self.start
+        if self.measure.startswith("VmHWM"):
+            return _proc_kib("/proc/self/status", "VmHWM") * 1024 - self.start
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - self.start
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _error_text(err: BaseException) -> str:
+    first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    return f"error: {type(err).__name__}: {first}"[:300]
+
+
+def measure_method(name: str, spec: BenchSpec) -> dict:
+    """Build the model and method ``name``, run ``spec.warmup`` + ``spec.steps`` steps and return
+    ``{"status": "ok", "step_s", "times_s", "peak_bytes", ...}``, or ``{"status": reason}`` for a
+    method that is skipped or raises (the error text is kept, not hidden)."""
+    method, device = METHODS[name], torch.device(spec.device)
+    model = build_model(spec.size, method.tied, spec.seed, device)
+    batch = synthetic_batch(spec.size, spec.seed, device)
+    params = unique_parameter_count(model)
+    param_bytes = sum(p.numel() * p.element_size() for p in dict.fromkeys(model.parameters()))
+    base = {"method": name, "parameters": params}
+    if method.skip_reason and (reason := method.skip_reason(spec.size, params, device)):
+        return {**base, "status": reason}
+    memory = PeakMemory(device)
+    times, first_norms = [], None
+    try:
+        step = method.build(model, batch, spec)
+        for i in range(spec.warmup + spec.steps):
+            _sync(device)
+            start = time.perf_counter()
+            norms = step()
+            _sync(device)
+            if i >= spec.warmup:
+                times.append(time.perf_counter() - start)
+            if i == 0 and norms is not None:
+                first_norms = norms.detach().double().cpu().tolist()
+    except Exception as err:  # noqa: BLE001 - reported in the table: the point is to show what fails
+        return {**base, "status": _error_text(err)}
+    return {
+        **base,
+        "status": "ok",
+        "step_s": statistics.median(times),
+        "times_s": times,
+        "peak_bytes": param_bytes + memory.extra_bytes(),
+        "param_bytes": param_bytes,
+        "memory_measure": memory.measure,
+        "first_norms": first_norms,
+    }
+
+
+def _worker(name: str, spec: BenchSpec, conn) -> None:
+    try:
+        conn.send(measure_method(name, spec))
+    except BaseException as err:  # noqa: BLE001 - e.g. MemoryError during set-up
+        conn.send({"method": name, "status": _error_text(err)})
+    finally:
+        conn.close()
+
+
+def run_isolated(name: str, spec: BenchSpec, timeout: float) -> dict:
+    """``measure_method`` in a fresh process forked from the forkserver (see the docstring);
+    a worker that dies (e.g. killed for memory) or exceeds ``timeout`` seconds is an error row."""
+    ctx = multiprocessing.get_context("forkserver")
+    receive, send = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_worker, args=(name, spec, send), daemon=True)
+    proc.start()
+    send.close()
+    answered = receive.poll(timeout)
+    try:
+        result = receive.recv() if answered else None
+    except EOFError:  # the worker died before sending
+        result = None
+    if result is None and proc.is_alive():
+        proc.kill()
+    proc.join()
+    if result is None:
+        why = (f"worker died without a result (exit code {proc.exitcode}; out of memory?)" if answered
+               else f"no result within {timeout:.0f} s")
+        result = {"method": name, "status": f"error: {why}"}
+    return {"label": METHODS[name].label, "tied": METHODS[name].tied, **result}
+
+
+# ---------------------------------------------------------------------------------- verdicts
+
+
+def _rows_by_method(rows: list[dict]) -> dict[str, dict]:
+    return {r["method"]: r for r in rows}
+
+
+def add_ratios(rows: list[dict]) -> None:
+    """``time_ratio`` and ``memory_ratio`` vs the non-private row, where both ran."""
+    base = _rows_by_method(rows).get("non_private", {})
+    for row in rows:
+        if row["status"] == "ok" and base.get("status") == "ok":
+            row["time_ratio"] = row["step_s"] / base["step_s"]
+            row["memory_ratio"] = row["peak_bytes"] / base["peak_bytes"]
+
+
+def _verdict(ok: bool) -> str:
+    return "PASS" if ok else "FAIL"
+
+
+def targets(rows: list[dict]) -> list[dict]:
+    """The task's targets as ``{"target", "measured", "result"}`` (result PASS, FAIL or n/a)."""
+    by = _rows_by_method(rows)
+    ours = by.get("ours", {})
+    out = []
+    for key, bound, what in (
+        ("time_ratio", TARGET_TIME_RATIO, "step time"),
+        ("memory_ratio", TARGET_MEMORY_RATIO, "peak memory"),
+    ):
+        target = f"ours {what} <= {bound}x non-private"
+        if key in ours:
+            out.append({"target": target, "measured": f"{ours[key]:.2f}x", "result": _verdict(ours[key] <= bound)})
+        else:
+            out.append({"target": target, "measured": "not measured", "result": "n/a"})
+    for name, what in (("opacus_ghost", "tied embeddings"), ("opacus_ghost_untied", "untied head (its only runnable model)")):
+        target = f"ours (tied) faster than Opacus ghost clipping, {what}"
+        other = by.get(name, {})
+        if ours.get("status") == "ok" and other.get("status") == "ok":
+            ratio = other["step_s"] / ours["step_s"]
+            out.append({"target": target, "measured": f"Opacus {ratio:.2f}x our step time", "result": _verdict(ratio > 1)})
+        else:
+            failed = ours if ours.get("status") != "ok" else other
+            out.append({"target": target, "measured": failed.get("status", "not run"), "result": "n/a"})
+    return out
+
+
+def norm_check(rows: list[dict], autocast: str) -> dict:
+    """Our first-batch per-sample norms vs ``torch.func``'s (max relative difference); a verdict
+    only in float32 (under bf16 autocast the two round differently)."""
+    by = _rows_by_method(rows)
+    ours, naive = by.get("ours", {}).get("first_norms"), by.get("naive_vmap", {}).get("first_norms")
+    if not ours or not naive:
+        return {"result": "n/a", "text": "not checked: the ours or naive_vmap run has no norms"}
+    rel = max(abs(a - b) / b for a, b in zip(ours, naive, strict=True))
+    result = "n/a" if autocast != "none" else _verdict(rel <= NORM_RTOL)
+    return {
+        "result": result,
+        "max_rel_diff": rel,
+        "text": f"max |n_ours - n_func| / n_func over the {len(ours)} samples of the first batch: {rel:.2e} "
+        + (f"(float32 tolerance {NORM_RTOL:g})" if autocast == "none" else "(no verdict under bf16 autocast)"),
+    }
+
+
+# ---------------------------------------------------------------------------------- output
+
+
+def device_label(device: torch.device) -> str:
+    """``cpu``, or the GPU's name in lower case with dashes (``nvidia-h200``)."""
+    if device.type != "cuda":
+        return "cpu"
+    name = torch.cuda.get_device_name(device).lower()
+    return "-".join("".join(c if c.isalnum() else " " for c in name).split())
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def environment(device: torch.device) -> dict:
+    info = {
+        "torch": torch.__version__,
+        "transformers": _version("transformers"),
+        "opacus": _version("opacus"),
+        "python": platform.python_version(),
+        "threads": torch.get_num_threads(),
+        "cpu_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+    }
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+        info["cuda"] = torch.version.cuda
+    return info
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.0f}"
+
+
+def _ratio(row: dict, key: str) -> str:
+    return f"{row[key]:.2f}x" if key in row else "-"
+
+
+def _setup_text(meta: dict) -> str:
+    env = meta["env"]
+    gpu = f", GPU {env['gpu']} (CUDA {env['cuda']})" if "gpu" in env else ""
+    params = f"{meta['parameters']:,}" if meta["parameters"] else "?"
+    return (
+        f"torch {env['torch']}, transformers {env['transformers']}, opacus {env['opacus']}, "
+        f"python {env['python']}, {env['threads']} threads{gpu}.\n\n"
+        f"Model: {meta['model']} ({params} parameters, the tied weight once). Synthetic seeded batch, fixed; "
+        f"DP methods: flat clipping C = {meta['clip_norm']}, noise multiplier {meta['noise_multiplier']}, Adam. "
+        f"Step time: median of {meta['steps']} steps after {meta['warmup']} warm-up steps. Peak memory: "
+        "parameters + the most the steps allocate above the level before the first step "
+        f"({meta['memory_measure']}); each method in its own process."
+    )
+
+
+def render_markdown(results: dict) -> str:
+    meta, rows = results["meta"], results["methods"]
+    autocast = " (bf16 autocast)" if meta["autocast"] == "bf16" else ""
+    lines = [
+        f"# DP training step: {meta['device']}{autocast} ({meta['date']})",
+        "",
+        f"Command: `{meta['command']}`",
+        "",
+        _setup_text(meta),
+        "",
+        "| method | step time (ms) | min-max (ms) | peak memory (MiB) | vs non-private: time | memory | status |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if r["status"] == "ok":
+            lines.append(
+                f"| {r['label']} | {r['step_s'] * 1e3:,.0f} | {min(r['times_s']) * 1e3:,.0f}-"
+                f"{max(r['times_s']) * 1e3:,.0f} | {_mib(r['peak_bytes'])} | {_ratio(r, 'time_ratio')} | "
+                f"{_ratio(r, 'memory_ratio')} | ok |"
+            )
+        else:
+            lines.append(f"| {r['label']} | - | - | - | - | - | {r['status'].replace('|', '/')} |")
+    lines += ["", "## Targets", "", "| target | measured | result |", "|---|---|---|"]
+    lines += [f"| {t['target']} | {t['measured'].replace('|', '/')} | {t['result']} |" for t in results["targets"]]
+    check = results["norm_check"]
+    lines += [
+        "",
+        f"Per-sample norm check (ours vs torch.func, first batch): **{check['result']}**: {check['text']}.",
+        "",
+        f"Total wall time {meta['wall_s']:.0f} s; host load average (1/5/15 min) at start "
+        + f"{meta['loadavg_start']}, at end {meta['loadavg_end']} (a shared box: compare rows of one run).",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def plot(results: dict, path: Path) -> None:
+    """Step time and peak memory bars per method (methods that did not run are labelled)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = results["methods"]
+    names = [r["method"] for r in rows]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    for ax, key, scale, unit in ((axes[0], "step_s", 1e3, "step time (ms)"), (axes[1], "peak_bytes", 2**-20, "peak memory (MiB)")):
+        values = [r[key] * scale if r["status"] == "ok" else 0.0 for r in rows]
+        bars = ax.bar(range(len(rows)), values, color=["tab:gray" if n == "non_private" else "tab:blue" for n in names])
+        for bar, row in zip(bars, rows, strict=True):
+            if row["status"] != "ok":
+                text = "skipped" if row["status"].startswith("skipped") else "failed"
+                ax.text(bar.get_x() + bar.get_width() / 2, 0, text, ha="center", va="bottom", rotation=90, fontsize=8)
+        ax.set_xticks(range(len(rows)), names, rotation=20, ha="right", fontsize=8)
+        ax.set_ylabel(unit)
+    fig.suptitle(f"DP training step, {results['meta']['model']} ({results['meta']['device']})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _loadavg() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
+
+
+# ---------------------------------------------------------------------------------- main
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="vllm-dp bench train",
+        description="DP training step time and peak memory: non-private, ours, Opacus ghost clipping, torch.func.",
+    )
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda[:i]")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
+    p.add_argument("--quick", action="store_true", help="toy model, 1 + 2 steps (seconds; for tests)")
+    p.add_argument("--preset", choices=sorted(PRESETS), help="model size (default: gpt2-small on CUDA, tiny on CPU)")
+    p.add_argument("--batch", type=int, help="override the preset's batch size")
+    p.add_argument("--seq-len", type=int, help="override the preset's sequence length")
+    p.add_argument("--autocast", choices=("none", "bf16"), default="none", help="forward + loss under bf16 autocast")
+    p.add_argument("--methods", default=",".join(METHODS), help=f"comma list of {', '.join(METHODS)}")
+    p.add_argument("--warmup", type=int, help="untimed steps (default 1 on CPU, 3 on CUDA)")
+    p.add_argument("--steps", type=int, help="timed steps (default 5 on CPU, 10 on CUDA; quick 2)")
+    p.add_argument("--noise-multiplier", type=float, default=1.0, help="DP noise multiplier (default 1)")
+    p.add_argument("--clip-norm", type=float, default=1.0, help="per-sample clipping norm C (default 1)")
+    p.add_argument("--lr", type=float, default=1e-4, help="Adam learning rate (default 1e-4)")
+    p.add_argument("--seed", type=int, default=0, help="weights, data and noise seed (default 0)")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per method before it is an error row")
+    p.add_argument("--date", default="", help="date stamp of the result files (default today)")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    return p
+
+
+def _spec_from_args(args: argparse.Namespace) -> BenchSpec:
+    """Preset, overrides and per-device step counts; ValueError for bad sizes or methods."""
+    cuda = torch.device(args.device).type == "cuda"
+    preset = "toy" if args.quick else args.preset or ("gpt2-small" if cuda else "tiny")
+    size = PRESETS[preset]
+    size = dataclasses.replace(
+        size,
+        batch=size.batch if args.batch is None else args.batch,
+        seq_len=size.seq_len if args.seq_len is None else args.seq_len,
+    )
+    if size.batch < 1 or size.seq_len < 2:
+        raise ValueError(f"need batch >= 1 and seq-len >= 2, got {size.batch} and {size.seq_len}")
+    warmup = args.warmup if args.warmup is not None else (3 if cuda else 1)
+    steps = args.steps if args.steps is not None else (2 if args.quick else 10 if cuda else 5)
+    if warmup < 0 or steps < 1:
+        raise ValueError(f"need --warmup >= 0 and --steps >= 1, got {warmup} and {steps}")
+    return BenchSpec(
+        size=size, device=args.device, autocast=args.autocast, warmup=warmup, steps=steps, seed=args.seed,
+        noise_multiplier=args.noise_multiplier, clip_norm=args.clip_norm, lr=args.lr,
+    )
+
+
+def _methods_from_args(text: str) -> list[str]:
+    names = [m for m in text.split(",") if m]
+    unknown = sorted(set(names) - set(METHODS))
+    if unknown or not names:
+        raise ValueError(f"unknown or no methods {unknown}; choose from {', '.join(METHODS)}")
+    return names
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda but torch sees no CUDA device")
+    try:
+        spec, names = _spec_from_args(args), _methods_from_args(args.methods)
+    except ValueError as err:
+        raise SystemExit(str(err)) from None
+    date = args.date or datetime.date.today().isoformat()
+    log = (lambda msg: None) if args.quiet else (lambda msg: print(msg, flush=True))
+    multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
+
+    load_start, start = _loadavg(), time.perf_counter()
+    log(f"== {spec.size.describe()} on {args.device}, autocast {spec.autocast}")
+    rows = []
+    for name in names:
+        row = run_isolated(name, spec, args.timeout)
+        rows.append(row)
+        log(f"  {name}: " + (f"{row['step_s'] * 1e3:,.0f} ms/step, peak {_mib(row['peak_bytes'])} MiB"
+                             if row["status"] == "ok" else row["status"]))
+    add_ratios(rows)
+    ok = [r for r in rows if r["status"] == "ok"]
+    results = {
+        "methods": rows,
+        "targets": targets(rows),
+        "norm_check": norm_check(rows, spec.autocast),
+        "meta": {
+            "device": device_label(device),
+            "date": date,
+            "command": " ".join(["python -m vllm_dp_plugin.benchmarks.train", *argv]),
+            "env": environment(device),
+            "model": spec.size.describe(),
+            "parameters": next((r["parameters"] for r in rows if "parameters" in r and r["tied"]), None),
+            **{k: v for k, v in dataclasses.asdict(spec).items() if k != "size"},
+            "size": dataclasses.asdict(spec.size),
+            "memory_measure": ok[0]["memory_measure"] if ok else "-",
+            "wall_s": time.perf_counter() - start,
+            "loadavg_start": load_start,
+            "loadavg_end": _loadavg(),
+        },
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    suffix = "-bf16" if spec.autocast == "bf16" else ""
+    stem = args.out / f"train-{results['meta']['device']}{suffix}-{date}"
+    Path(f"{stem}.json").write_text(json.dumps(results, indent=2) + "\n")
+    Path(f"{stem}.md").write_text(render_markdown(results))
+    plot(results, Path(f"{stem}.png"))
+    log(f"norm check: {results['norm_check']['result']}: {results['norm_check']['text']}")
+    for t in results["targets"]:
+        log(f"  {t['result']}: {t['target']} ({t['measured']})")
+    log(f"wrote {stem}.md, .json and .png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
