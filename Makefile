@@ -54,12 +54,12 @@ bench: $(STAMP)
 	$(VENV)/bin/vllm-dp bench attention
 	$(VENV)/bin/vllm-dp bench serve
 
-# Wheels for benchmarks/gpu/attention.sh on a CUDA box with only torch/triton (Python 3.12, no
+# Wheels for benchmarks/gpu/*.sh on a CUDA box with only torch/triton (Python 3.12, no
 # network): dp-accounting and its small dependencies pinned to its ranges (numpy and scipy are
 # already there), tqdm, pyyaml, and setuptools/wheel/packaging for the editable install. Carry
 # .gpu-wheels/ along with the checkout.
 GPU_WHEELS ?= .gpu-wheels
-GPU_WHEEL_PKGS ?= dp-accounting dm-tree "absl-py<3" "attrs>=22,<24" wrapt "mpmath~=1.2" tqdm pyyaml "setuptools>=68" wheel "packaging>=24"
+GPU_WHEEL_PKGS ?= dp-accounting opacus==1.6.0 dm-tree "absl-py<3" "attrs>=22,<24" wrapt "mpmath~=1.2" tqdm pyyaml "setuptools>=68" wheel "packaging>=24"
 gpu-wheels:
 	$(PYTHON) -m pip download --only-binary=:all: --python-version 3.12 --implementation cp \
 		--platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
