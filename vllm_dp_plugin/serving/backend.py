@@ -100,10 +100,11 @@ class DPImplMixin:
             self._private_slots = torch.empty(0, dtype=torch.long)  # cache slots of private rows
 
     def fused_rope_kvcache_supported(self) -> bool:
-        return False  # every K/V write must go through do_kv_cache_update
+        # DP on: every K/V write must go through do_kv_cache_update; DP off: the parent's answer
+        return not self._dp_on and super().fused_rope_kvcache_supported()
 
     def fused_qk_norm_rope_kvcache_supported(self) -> bool:
-        return False
+        return not self._dp_on and super().fused_qk_norm_rope_kvcache_supported()
 
     # ------------------------------------------------------------------ decoder: private prefix
     def _private_layer(self, layer) -> PrivateContextLayer:
