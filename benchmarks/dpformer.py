@@ -31,6 +31,7 @@ interrupted run leaves its finished seeds). Run as ``python -m vllm_dp_plugin.be
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
@@ -204,6 +205,19 @@ def evaluate(model: DPFormerRec, split: LeaveOneOut) -> RankingMetrics:
     return evaluate_ranking(model.last_scores, split.test_ids, split.test_target, k=TOP_K)
 
 
+def evaluate_served(model: DPFormerRec, split: LeaveOneOut) -> RankingMetrics | None:
+    """The same weights evaluated as an inference engine without Re-Attention serves them (no
+    variance stream, no correction); None for a model that does not correct."""
+    if not model.correcting:
+        return None
+    trained = model.reattention
+    model.reattention = dataclasses.replace(trained, enabled=False)
+    try:
+        return evaluate(model, split)
+    finally:
+        model.reattention = trained
+
+
 def most_pop(dataset: Dataset) -> RankingMetrics:
     """MostPop: every user ranks items by their count over all training items ``s_1..s_{n-2}``."""
     counts = item_counts(dataset.split.valid_ids, dataset.config.vocab_size).double()
@@ -251,6 +265,7 @@ def run_one(
     start = time.perf_counter()
     tail_loss = train(model, dataset, plan, sigma, args.lr, seed)
     metrics = evaluate(model, dataset.split)
+    served = evaluate_served(model, dataset.split)
     correction = layer1_correction(model, dataset.split.test_ids)
     return {
         "method": method.name,
@@ -261,6 +276,8 @@ def run_one(
         "ndcg": 100 * metrics.ndcg,
         "hit": 100 * metrics.hit,
         "train_loss_tail": tail_loss,
+        "ndcg_served": None if served is None else 100 * served.ndcg,
+        "hit_served": None if served is None else 100 * served.hit,
         "layer1_correction": correction,
         "train_s": time.perf_counter() - start,
     }
@@ -362,6 +379,21 @@ def correction_table(results: dict) -> list[str]:
     return lines
 
 
+def served_table(results: dict) -> list[str]:
+    """Per Re-Attention (method, eps): NDCG/HIT with the correction (as trained) and with it
+    dropped (as vLLM serves the weights), averaged over seeds."""
+    groups: dict[tuple[str, float], list[dict]] = {}
+    for run in results["runs"]:
+        if run.get("ndcg_served") is not None:
+            groups.setdefault((run["method"], run["epsilon"]), []).append(run)
+    lines = ["| Method | eps | NDCG@10 with | NDCG@10 dropped | HIT@10 with | HIT@10 dropped |",
+             "|---|---|---|---|---|---|"]
+    for (name, eps), runs in groups.items():
+        cells = [statistics.fmean(r[k] for r in runs) for k in ("ndcg", "ndcg_served", "hit", "hit_served")]
+        lines.append(f"| {name} | {eps:g} | " + " | ".join(f"{c:.2f}" for c in cells) + " |")
+    return lines
+
+
 def render_markdown(results: dict) -> str:
     meta, s = results["meta"], results["settings"]
     sigmas = ", ".join(f"eps {e}: {sigma:.3f}" for e, sigma in s["sigmas"].items())
@@ -418,6 +450,13 @@ def render_markdown(results: dict) -> str:
         ),
         "",
         *correction_table(results),
+        "",
+        (
+            "Re-Attention at serving time: the same trained weights evaluated with the correction "
+            "(the model as trained) and without it (as vLLM serves the exported weights):"
+        ),
+        "",
+        *served_table(results),
         "",
         (
             f"Total wall time: {meta['wall_s']:.0f} s. Host load average (1/5/15 min) at start "

@@ -36,6 +36,9 @@ def test_quick_run_writes_all_methods_and_files(tmp_path):
     for run in runs:
         assert 0 <= run["ndcg"] <= run["hit"] <= 100, run  # NDCG@10 <= HIT@10 per user
         assert math.isfinite(run["train_loss_tail"]), run
+        # Re-Attention models are also evaluated as served (correction dropped), others are not
+        assert (run["ndcg_served"] is None) == (not run["method"].startswith("dpformer")), run
+    assert "| NDCG@10 with | NDCG@10 dropped |" in text
     # a smaller eps needs more noise; delta = 1/(2N)
     assert s["sigmas"]["5.0"] > s["sigmas"]["10.0"] > 0
     assert s["delta"] == pytest.approx(1 / (2 * s["users"]))
