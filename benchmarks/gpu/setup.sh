@@ -29,3 +29,18 @@ if [[ "${SKIP_INSTALL:-0}" != "1" ]]; then
     echo "== vllm-dp-plugin (editable, no deps)"
     "$PY" -m pip install -q --no-deps --no-index --no-build-isolation --ignore-requires-python -e .
 fi
+
+# Print, for each Python module named, whether this interpreter can import it.
+check_modules() {
+    "$PY" - "$@" <<'PYEOF'
+import importlib.util
+import sys
+
+for mod in sys.argv[1:]:
+    try:
+        found = importlib.util.find_spec(mod) is not None
+    except ModuleNotFoundError:
+        found = False
+    print(f"  {mod}: {'present' if found else 'MISSING'}")
+PYEOF
+}

@@ -32,15 +32,7 @@ if [[ "${SKIP_INSTALL:-0}" != "1" ]]; then
         || echo "   no opacus wheel in $WHEELS: the Opacus rows will report the missing module" >&2
 fi
 
-"$PY" - <<'EOF'
-import importlib.util
-for mod in ("torch", "transformers", "opacus", "scipy", "opt_einsum", "matplotlib", "dp_accounting"):
-    try:
-        found = importlib.util.find_spec(mod) is not None
-    except ModuleNotFoundError:
-        found = False
-    print(f"  {mod}: {'present' if found else 'MISSING'}")
-EOF
+check_modules torch transformers opacus scipy opt_einsum matplotlib dp_accounting
 
 [[ "${INSTALL_ONLY:-0}" == "1" ]] && exit 0
 
