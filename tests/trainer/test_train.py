@@ -99,3 +99,19 @@ def test_reattention_shares_the_budget_and_is_dropped_from_the_export(tmp_path, 
     assert "reattention" not in json.dumps(saved)  # served with plain attention
     with pytest.raises(ValueError, match="histogram alone"):
         plan_run(config(tiny_llama, tmp_path, reattention=True, frequency_noise=0.05), 500)
+
+
+def test_a_resumed_reattention_run_reuses_its_released_frequencies(tmp_path, tiny_llama, monkeypatch):
+    """Re-drawing the p_v histogram on resume would release it twice (seed None: fresh noise)."""
+    from vllm_dp_plugin.trainer import train as train_module
+
+    cfg = config(tiny_llama, tmp_path, reattention=True, frequency_noise=30.0, seed=None)
+    train(cfg, progress=False, stop_after=1)
+    saved = torch.load(tmp_path / "checkpoint.pt", weights_only=True)["token_p"]
+    assert saved is not None and saved.shape == (2048,)
+
+    def second_release(*args):
+        raise AssertionError("the histogram was released again on resume")
+
+    monkeypatch.setattr(train_module, "_release_frequencies", second_release)
+    assert train(cfg, progress=False)["reattention"] is True

@@ -202,13 +202,17 @@ def train(config: TrainConfig, progress: bool = True, stop_after: int | None = N
         clip_norm=config.clip_norm, noise_multiplier=plan.noise_multiplier,
         expected_batch_size=config.batch_size, clipping=config.clipping, seed=config.seed,
     ))
-    if config.reattention:
-        _apply_reattention(config, plan, data, model)
+    state = _checkpoint(out / CHECKPOINT, config)
+    token_p = None
+    if config.reattention:  # released once: a resumed run reuses the checkpoint's release
+        token_p = state["token_p"] if state else _release_frequencies(config, plan, data, model)
+        apply_reattention(model, ReAttentionConfig(sigma_dp=plan.noise_multiplier, batch_size=config.batch_size,
+                                                   token_p=token_p, lam=config.reattention_lambda))
     optimizer = _optimizer(config, model)
     scheduler = warmup_linear_decay_scheduler(optimizer, plan.steps, config.warmup_frac)
     accountant = TrainingAccountant(plan.noise_multiplier, plan.sample_rate, plan.delta, accountant=config.accountant)
     sampler = PoissonSampler(len(data), plan.sample_rate, plan.steps, seed=config.seed)
-    start = _resume(out / CHECKPOINT, config, model, optimizer, scheduler, sampler, engine)
+    start = _restore(state, model, optimizer, scheduler, sampler, engine) if state else 0
     if start:
         accountant.step(start)
 
@@ -227,7 +231,7 @@ def train(config: TrainConfig, progress: bool = True, stop_after: int | None = N
         bar.set_postfix(loss=f"{loss:.3f}", eps=f"{accountant.epsilon():.2f}", batch=len(batch))
         done = step + 1
         if done < plan.steps and (done % config.checkpoint_every == 0 or done - start == stop_after):
-            _save(out / CHECKPOINT, config, model, optimizer, scheduler, sampler, engine, done)
+            _save(out / CHECKPOINT, config, model, optimizer, scheduler, sampler, engine, token_p, done)
         if done < plan.steps and done - start == stop_after:
             bar.close()
             return {"stopped_at": done, "steps": plan.steps, "epsilon": accountant.epsilon()}
@@ -238,18 +242,16 @@ def train(config: TrainConfig, progress: bool = True, stop_after: int | None = N
     return export(model, tokenizer, out, report(config, plan, accountant))
 
 
-def _apply_reattention(config: TrainConfig, plan: Plan, data: Records, model) -> None:
-    """Patch ``model`` with Re-Attention (spec 4) whose token frequencies ``p_v`` are the
-    Gaussian histogram ``plan.frequencies`` of the records (L2 sensitivity sqrt(seq_len))."""
+def _release_frequencies(config: TrainConfig, plan: Plan, data: Records, model) -> torch.Tensor:
+    """Re-Attention's token frequencies ``p_v: [V]``: the Gaussian histogram ``plan.frequencies``
+    of the records (L2 sensitivity sqrt(seq_len)), released once per run."""
     seed = secrets.randbits(63) if config.seed is None else config.seed + 1
     ids = data.ids.masked_fill(data.mask == 0, 0)  # id 0 stands for padding here (not counted)
     released = dp_sequence_frequencies(ids, model.config.vocab_size, config.frequency_noise,
                                        torch.Generator().manual_seed(seed), plan.delta, pad_id=0)
-    cfg = ReAttentionConfig(sigma_dp=plan.noise_multiplier, batch_size=config.batch_size,
-                            token_p=released.token_p, lam=config.reattention_lambda)
     if released.mechanism.epsilon != plan.frequencies.epsilon:
         raise RuntimeError("the p_v histogram differs from the one the plan accounted")
-    apply_reattention(model, cfg)
+    return released.token_p
 
 
 def _optimizer(config: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -273,25 +275,31 @@ def _accumulate(model, engine: DPEngine, data: Records, batch: torch.Tensor, phy
 
 
 def _save(path: Path, config, model, optimizer, scheduler, sampler: PoissonSampler, engine: DPEngine,
-          step: int) -> None:
+          token_p: torch.Tensor | None, step: int) -> None:
     """Atomic checkpoint. It holds the sampler seed and the noise generator's state, which must
-    stay as secret as the data (with them, the noise of the remaining steps is predictable)."""
+    stay as secret as the data (with them, the noise of the remaining steps is predictable), and
+    Re-Attention's released ``token_p`` (reused on resume, never released twice)."""
     state = {"config": dataclasses.asdict(config), "step": step, "sampler_seed": sampler.seed,
-             "noise_state": engine.noise_state(),
+             "noise_state": engine.noise_state(), "token_p": token_p,
              "model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}
     tmp = path.with_suffix(".tmp")
     torch.save(state, tmp)
     os.replace(tmp, path)
 
 
-def _resume(path: Path, config, model, optimizer, scheduler, sampler: PoissonSampler, engine: DPEngine) -> int:
-    """Load ``path`` if present (same config required); returns the steps already done. The
-    noise generator continues where it stopped: a seeded run never reuses a noise draw."""
+def _checkpoint(path: Path, config: TrainConfig) -> dict | None:
+    """The checkpoint at ``path`` (None if absent); it must come from the same config."""
     if not path.exists():
-        return 0
+        return None
     state = torch.load(path, weights_only=True)
     if state["config"] != dataclasses.asdict(config):
         raise ValueError(f"{path} was written by a different training config: move it away to start over")
+    return state
+
+
+def _restore(state: dict, model, optimizer, scheduler, sampler: PoissonSampler, engine: DPEngine) -> int:
+    """Load a checkpoint's training state; returns the steps already done. The noise generator
+    continues where it stopped: a seeded run never reuses a noise draw."""
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
