@@ -153,7 +153,7 @@ def _train(args: argparse.Namespace, rest: list[str]) -> int:
 
     try:
         config = TrainConfig.from_file(args.config)
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, OSError) as exc:
         print(f"vllm-dp: training configuration error: {exc}", file=sys.stderr)
         return 2
     result = train(config, stop_after=args.stop_after)
