@@ -24,7 +24,14 @@ def demo_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory):
-    return tmp_path_factory.mktemp("deployment")
+    """A deployment directory with a fixed noise key: the random-weight demo model has near-tied
+    greedy logits, so a fresh random key per run (noise ~1e-6 at eps = 1e6) could flip a token
+    between runs; a fixed key makes every scenario deterministic."""
+    path = tmp_path_factory.mktemp("deployment")
+    key = path / "noise.key"
+    key.write_bytes(bytes(range(32)))
+    key.chmod(0o600)
+    return path
 
 
 def dp_job(model, section, steps):
