@@ -26,8 +26,8 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -e ".[$(EXTRAS)]"
 	$(PIP) uninstall -y -q torchvision torchaudio torchcodec || true
-	# Build the fused CPU exact-attention kernel now (about a minute; falls back to torch if it cannot).
-	$(PY) -c "from vllm_dp_plugin.kernels.paged_exact import fused_available; print('fused CPU kernel:', fused_available())"
+	# Build the C++ CPU kernels now (about a minute each; each falls back to torch if it cannot).
+	$(PY) -c "from vllm_dp_plugin.kernels.cpu_extension import build_all; print('C++ CPU kernels built:', build_all())"
 	touch $(STAMP)
 
 test: $(STAMP)

@@ -10,39 +10,22 @@ caches ``[num_blocks, H_kv, block_size, d]`` (any strides: the CPU K cache may b
 ever read. Returns an ``AttentionPart`` (``out: [H_q, m, d]``, ``lse: [H_q, m]``, float32), the
 reference's contract. One call per layer instead of a gather plus a dozen small tensor ops.
 
-The extension is compiled on first use (about a minute on 2 cores, then cached by torch under
-``~/.cache/torch_extensions``); ``fused_available()`` says whether it loaded. Where it cannot
-(no compiler, a CUDA cache) callers keep the torch reference.
+The extension is built by ``cpu_extension`` (about a minute on 2 cores, once);
+``fused_available()`` says whether it loaded. Where it cannot (no compiler, a CUDA cache) callers
+keep the torch reference.
 """
 
 from __future__ import annotations
-
-import functools
-import logging
-import pathlib
 
 import torch
 
 from vllm_dp_plugin.attention.merge import AttentionPart
 
-SOURCE = pathlib.Path(__file__).with_name("csrc") / "paged_exact.cpp"
-logger = logging.getLogger("vllm.dp_privacy")
+from .cpu_extension import load
 
 
-@functools.cache
 def _extension():
-    """The compiled module, or None (logged once) if it cannot be built here."""
-    from torch.utils import cpp_extension
-
-    try:
-        return cpp_extension.load(
-            name="vllm_dp_paged_exact",
-            sources=[str(SOURCE)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp-simd"],
-        )
-    except Exception as err:  # noqa: BLE001 - any build failure means: use the torch path
-        logger.warning("vllm-dp: fused CPU exact-attention kernel unavailable (%s); using torch", err)
-        return None
+    return load("paged_exact.cpp")
 
 
 def fused_available() -> bool:

@@ -91,3 +91,23 @@ def test_tiny_epsilon_bound_is_precise():
 def test_same_generator_state_same_draws():
     law = LAWS["tlap_wide"]
     assert np.array_equal(draw(law, seed=5, n=100), draw(law, seed=5, n=100))
+
+
+def test_packed_signs_are_independent_fair_bits():
+    """The signs are unpacked 62 per int64 draw: each position of a word, and every pair of
+    neighbours (within a word and across the word boundary), must be fair and independent.
+    Chi-square at a fixed seed; with 62 positions tested, alpha = 1e-3 each."""
+    from vllm_dp_plugin.privacy.noise import SIGN_BITS, _random_sign
+
+    words = 4000
+    signs = _random_sign((words * SIGN_BITS,), torch.Generator().manual_seed(11)) > 0  # [n] bool
+    by_position = signs.reshape(words, SIGN_BITS).double().sum(0).numpy()  # ones per bit position
+    expected = words / 2
+    chi2_positions = ((by_position - expected) ** 2 / expected * 2).max()  # 1 dof each
+    assert chi2_positions < stats.chi2.ppf(1 - 1e-3, 1)
+    pairs = (signs[:-1].long() * 2 + signs[1:].long()).numpy()  # neighbour pairs, boundaries included
+    counts = np.bincount(pairs, minlength=4)
+    assert stats.chisquare(counts).pvalue > 1e-3
+    shape = (3, 7)  # not a multiple of 62: the tail of the last word is dropped
+    assert _random_sign(shape, torch.Generator().manual_seed(0)).shape == shape
+    assert set(_random_sign((500,), torch.Generator().manual_seed(1)).unique().tolist()) == {-1.0, 1.0}

@@ -312,6 +312,31 @@ def test_http_receipts_header_also_on_streams(server):
 
 
 @pytest.mark.vllm
+def test_http_other_generation_routes_privatize_the_user_text(server, tokenizer):
+    """/v1/chat/completions/batch, /v1/responses and /v1/messages go through the same renderer:
+    the engine gets privatized ids and each prompt's receipt comes back."""
+    base, model, _ = server
+    user_tokens = len(tokenizer.encode(USER["content"], add_special_tokens=False))
+    stock = stock_chat(tokenizer, [SYSTEM, USER])
+    span = user_span(tokenizer, stock, USER["content"])
+    status, batch = request(base + "/v1/chat/completions/batch", {
+        "model": model, "messages": [[SYSTEM, USER], [SYSTEM, USER]], "max_tokens": 2, "temperature": 0,
+        "return_token_ids": True})
+    assert status == 200 and [r["tokens_privatized"] for r in batch["dp_prompt_receipts"]] == [user_tokens] * 2
+    for choice in batch["choices"]:
+        assert_privatized(tokenizer, choice["prompt_token_ids"], stock, [span])
+    status, exact = request(base + "/v1/chat/completions/batch", {
+        "model": model, "messages": [[SYSTEM, USER]], "max_tokens": 2, "return_token_ids": True, "vllm_xargs": EXACT})
+    assert status == 200 and exact["choices"][0]["prompt_token_ids"] == stock  # options reach the batch too
+    status, responses = request(base + "/v1/responses", {
+        "model": model, "instructions": SYSTEM["content"], "input": USER["content"], "max_output_tokens": 2})
+    assert status == 200 and [r["tokens_privatized"] for r in responses["dp_prompt_receipts"]] == [user_tokens]
+    status, messages = request(base + "/v1/messages", {
+        "model": model, "system": SYSTEM["content"], "messages": [USER], "max_tokens": 2})
+    assert status == 200 and [r["tokens_privatized"] for r in messages["dp_prompt_receipts"]] == [user_tokens]
+
+
+@pytest.mark.vllm
 @pytest.mark.parametrize("options,message", [*BAD_OPTIONS, ({"dp_epsilon": 1e8}, "exceeds this deployment's prompt.max_epsilon")])
 def test_http_bad_options_get_a_clear_400(server, options, message):
     for status, reply in (chat(server, [USER], options), complete(server, COMPLETION, options)):

@@ -5,8 +5,12 @@ score ``s = ||e||^2 - 2 <e, r>`` (``||r||^2`` is constant per query), i.e. one G
 queries. The search runs in two passes:
 
 1. a *fast pass* (fp32 or bf16 GEMM, fp32 scores) keeps the ``k`` best candidates per query;
-2. an *exact re-rank* computes ``||e - r||^2`` directly in fp32 for those ``k`` and takes the
+2. an *exact re-rank* computes ``||e - r||^2`` directly (float64) for those ``k`` and takes the
    minimum, ties going to the lowest candidate position (= lowest token id, candidates are sorted).
+
+With fp32 rows the two passes are one certified search: the fp32 GEMM, then a ``SelectPass``
+re-ranks only the rows within the GEMM's rounding-error bound of the best (``certified_nearest_fp32``;
+``select_within_bound`` in torch, fused for CPU in ``kernels.nearest_select``).
 
 The fast pass is a plain function with the ``FastPass`` signature so that a fused kernel in
 ``kernels/`` can replace ``fast_topk_torch`` without touching the rest. ``brute_force_nearest``
@@ -34,8 +38,11 @@ def squared_distance_scores(
     """``||e||^2 - 2 <e, r>`` for every query r ``[n, d]`` and row e ``[K, d]``: ``[n, K]``.
 
     Computed in the dtype of ``rows`` with fp32 (or wider) output; adding ``||r||^2`` gives the
-    squared Euclidean distance up to rounding of the GEMM expansion.
+    squared Euclidean distance up to rounding of the GEMM expansion. fp32 rows: one fused
+    ``addmm`` (the factor -2 is exact).
     """
+    if rows.dtype == sq_norms.dtype == torch.float32:
+        return torch.addmm(sq_norms, queries.to(rows.dtype), rows.T, alpha=-2.0)
     out_dtype = torch.promote_types(sq_norms.dtype, torch.float32)
     dots = (queries.to(rows.dtype) @ rows.T).to(out_dtype)  # [n, K]
     return sq_norms.to(out_dtype)[None, :] - 2.0 * dots
@@ -58,34 +65,52 @@ def lowest_argmin(values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor
     return torch.where(is_min, positions, sentinel).min(dim=1).values
 
 
+def direct_distances(rows: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
+    """float64 ``||e - r||^2`` of paired rows ``[..., d]`` and queries ``[..., d]`` (broadcast):
+    the differences are exact and the sum carries float64 rounding only."""
+    return (rows.to(torch.float64) - queries.to(torch.float64)).pow(2).sum(-1)
+
+
 def rerank_exact(queries: torch.Tensor, rows: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
-    """Exact fp32 re-rank: among ``top [n, k]`` positions of ``rows [K, d]``, the one nearest to
-    each query ``[n, d]`` by direct ``||e - r||^2`` (no GEMM expansion); ties -> lowest position."""
-    diffs = rows[top] - queries[:, None, :].to(rows.dtype)  # [n, k, d]
-    return lowest_argmin(diffs.pow(2).sum(-1), top)
+    """Exact re-rank: among ``top [n, k]`` positions of ``rows [K, d]``, the one nearest to each
+    query ``[n, d]`` by float64 ``direct_distances`` (no GEMM expansion); ties -> lowest position."""
+    return lowest_argmin(direct_distances(rows[top], queries[:, None, :]), top)
 
 
 FP32_UNIT_ROUNDOFF = 2.0**-24
 
 
-def certified_nearest_fp32(queries: torch.Tensor, rows: torch.Tensor, sq_norms: torch.Tensor) -> torch.Tensor:
-    """Positions ``[n]`` in ``rows [K, d]`` (fp32) of the nearest row to each query ``[n, d]``
-    (fp32), ties -> lowest position: the same answer as ``rerank_exact`` over every row, from
-    one fp32 GEMM of scores ``||e||^2 - 2 <e, r>`` plus a direct re-rank of only the rows whose
-    score is within the GEMM's rounding-error bound of the best (usually one row per query).
+def score_error_bound(queries: torch.Tensor, sq_norms: torch.Tensor) -> torch.Tensor:
+    """``[n]`` fp32 bound on ``|computed - exact|`` of every fp32 GEMM score of each query ``[n, d]``
+    against rows with squared norms ``sq_norms [K]``, in any summation order of the d + 1 terms.
 
-    Bound: each computed score is within ``tol = (gamma_d + u) (E^2 + 2 E ||r||)`` of its exact
-    value (``u = 2^-24``, ``gamma_d = d u / (1 - d u)``, ``E`` the largest row norm: Higham's dot
-    product bound with Cauchy-Schwarz), so the nearest row's score is <= best + 2 tol."""
-    n, d = queries.shape
-    scores = squared_distance_scores(queries, rows, sq_norms)  # [n, K] fp32
-    best = scores.min(dim=1).values  # [n]
+    ``(gamma_{d+2} + u) (E^2 + 2 E ||r||)`` with ``u = 2^-24``, ``gamma_m = m u / (1 - m u)``, ``E``
+    the largest row norm (Higham's bound for a sum of d + 1 terms with Cauchy-Schwarz; one extra
+    ``u`` of margin covers the rounding of the bound and of ``best + slack`` themselves)."""
+    d = queries.shape[1]
     u = FP32_UNIT_ROUNDOFF
-    gamma = d * u / (1.0 - d * u)
-    top_norm = float(sq_norms.max().sqrt()) if rows.shape[0] else 0.0
-    tol = (gamma + u) * (top_norm**2 + 2.0 * top_norm * queries.norm(dim=1))  # [n]
-    query, row = torch.nonzero(scores <= (best + 2.0 * tol)[:, None], as_tuple=True)  # (q, c) pairs
-    dist = (rows[row] - queries[query]).pow(2).sum(-1)  # direct fp32 ||e - r||^2 of each pair
+    gamma = (d + 2) * u / (1.0 - (d + 2) * u)
+    top_norm = float(sq_norms.max().sqrt()) if sq_norms.numel() else 0.0
+    return (gamma + u) * (top_norm**2 + 2.0 * top_norm * queries.norm(dim=1))
+
+
+SelectPass = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""``(scores [n, K] fp32, slack [n] fp32, queries [n, d] fp32, rows [K, d] fp32) -> [n] int64``:
+for each query, among the rows whose score is <= its minimum score + slack, the position of the
+nearest by float64 ``direct_distances``; ties -> lowest position."""
+
+
+def select_within_bound(
+    scores: torch.Tensor, slack: torch.Tensor, queries: torch.Tensor, rows: torch.Tensor
+) -> torch.Tensor:
+    """Torch ``SelectPass`` (the reference of ``kernels.nearest_select``). Raises ValueError when
+    a query's scores are not finite."""
+    n = scores.shape[0]
+    threshold = scores.amin(dim=1) + slack  # [n]
+    if not bool(torch.isfinite(threshold).all()):
+        raise ValueError("select_within_bound: non-finite scores (NaN or inf queries)")
+    query, row = torch.nonzero(scores <= threshold[:, None], as_tuple=True)  # (q, c) pairs
+    dist = direct_distances(rows[row], queries[query])
     least = torch.full((n,), float("inf"), dtype=dist.dtype, device=dist.device)
     least = least.scatter_reduce(0, query, dist, reduce="amin")
     sentinel = torch.iinfo(torch.int64).max
@@ -93,6 +118,22 @@ def certified_nearest_fp32(queries: torch.Tensor, rows: torch.Tensor, sq_norms: 
     return torch.full((n,), sentinel, dtype=torch.int64, device=rows.device).scatter_reduce(
         0, query, ties, reduce="amin"
     )
+
+
+def certified_nearest_fp32(
+    queries: torch.Tensor,
+    rows: torch.Tensor,
+    sq_norms: torch.Tensor,
+    select: SelectPass = select_within_bound,
+) -> torch.Tensor:
+    """Positions ``[n]`` in ``rows [K, d]`` (fp32) of the nearest row to each query ``[n, d]``
+    (fp32), ties -> lowest position: the same answer as ``rerank_exact`` over every row, from
+    one fp32 GEMM of scores ``||e||^2 - 2 <e, r>`` plus a direct re-rank of only the rows whose
+    score is within twice ``score_error_bound`` of the best (usually one row per query): the
+    nearest row's exact score is <= the best exact score, so its computed score is within
+    2 tol of the best computed one."""
+    scores = squared_distance_scores(queries, rows, sq_norms)  # [n, K] fp32
+    return select(scores, 2.0 * score_error_bound(queries, sq_norms), queries, rows)
 
 
 def brute_force_nearest(queries: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -103,8 +144,7 @@ def brute_force_nearest(queries: torch.Tensor, rows: torch.Tensor) -> torch.Tens
     chunk = max(1, BRUTE_FORCE_ELEMENTS // rows64.numel())  # queries per [c, K, d] block
     parts = []
     for block in queries.to(torch.float64).split(chunk):
-        dist = (rows64[None, :, :] - block[:, None, :]).pow(2).sum(-1)  # [c, K]
-        parts.append(lowest_argmin(dist, every))
+        parts.append(lowest_argmin(direct_distances(rows64[None, :, :], block[:, None, :]), every))
     return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64, device=rows.device)
 
 
@@ -139,16 +179,20 @@ class CandidateIndex:
         k: int = 32,
         chunk: int = 512,
         fast_pass: FastPass = fast_topk_torch,
+        select: SelectPass = select_within_bound,
     ) -> torch.Tensor:
         """Token ids ``[n]`` of the nearest candidate to each query ``[n, d]`` (any float dtype):
-        fast-pass top-``k`` per chunk of ``chunk`` queries, then the exact fp32 re-rank (the
-        default fp32 torch pass re-ranks only the rows its error bound cannot separate:
+        fast-pass top-``k`` per chunk of ``chunk`` queries, then the exact re-rank (the default
+        fp32 torch pass re-ranks only the rows its error bound cannot separate, with ``select``:
         ``certified_nearest_fp32``, same answer, no top-k)."""
         k = min(k, self.ids.shape[0])
         queries32 = queries.to(device=self.rows.device, dtype=torch.float32)
         if fast_pass is fast_topk_torch and self.fast_rows.dtype == torch.float32:
             # fp32 GEMM already: re-rank only the rows within its error bound of the best
-            positions = [certified_nearest_fp32(block, self.rows, self.sq_norms) for block in queries32.split(chunk)]
+            positions = [
+                certified_nearest_fp32(block, self.rows, self.sq_norms, select)
+                for block in queries32.split(chunk)
+            ]
         else:
             positions = [
                 rerank_exact(block, self.rows, fast_pass(block, self.fast_rows, self.sq_norms, k))

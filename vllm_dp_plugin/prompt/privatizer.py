@@ -24,7 +24,7 @@ import torch
 from ..privacy.accountant import Budget, PrivacyLedger
 from ..privacy.validation import check_count, check_delta
 from .mechanisms import AdditiveTokenMechanism, ExponentialMechanism, TokenGuarantee, TokenMechanism
-from .nearest import CandidateIndex, FastPass, fast_topk_torch
+from .nearest import CandidateIndex, FastPass, SelectPass, fast_topk_torch, select_within_bound
 from .table import EmbeddingTable
 
 NO_GUARANTEE = Budget(math.inf, 1.0)
@@ -100,7 +100,7 @@ def candidate_index(table: EmbeddingTable, fast_dtype: torch.dtype = torch.float
 class TokenPrivatizer:
     """Privatizes the masked tokens of a prompt with ``mechanism`` over ``table``'s candidates.
 
-    ``topk``/``chunk``/``fast_dtype``/``fast_pass`` configure the nearest-candidate search
+    ``topk``/``chunk``/``fast_dtype``/``fast_pass``/``select`` configure the nearest-candidate search
     (``nearest.CandidateIndex``); they affect utility and speed, never privacy. ``index``: an
     index of ``table``'s candidates to share between privatizers (built here when None).
     ``advanced_slack``: the delta' of advanced composition in receipts.
@@ -115,6 +115,7 @@ class TokenPrivatizer:
         chunk: int = 512,
         fast_dtype: torch.dtype = torch.float32,
         fast_pass: FastPass = fast_topk_torch,
+        select: SelectPass = select_within_bound,
         advanced_slack: float = 1e-6,
         index: CandidateIndex | None = None,
     ) -> None:
@@ -126,6 +127,7 @@ class TokenPrivatizer:
         self.chunk = check_count(chunk, "chunk")
         self.advanced_slack = check_delta(advanced_slack, "advanced_slack")
         self.fast_pass = fast_pass
+        self.select = select
         self.index = index if index is not None else candidate_index(table, fast_dtype)
 
     def privatize(
@@ -173,7 +175,7 @@ class TokenPrivatizer:
         if isinstance(self.mechanism, ExponentialMechanism):
             return self.table.candidates[self.mechanism.select(rows, generator)]
         noisy = self.mechanism.perturb(rows, generator)  # [m, d] float64
-        return self.index.nearest(noisy, self.topk, self.chunk, self.fast_pass)
+        return self.index.nearest(noisy, self.topk, self.chunk, self.fast_pass, self.select)
 
     def _private_positions(self, ids: torch.Tensor, private_mask: torch.Tensor) -> torch.Tensor:
         """Validate the inputs; return the masked positions ``[m]`` int64."""

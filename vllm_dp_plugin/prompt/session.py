@@ -43,6 +43,7 @@ import torch
 
 from ..privacy.accountant import Budget
 from .mechanisms import MECHANISMS, token_mechanism
+from .nearest import FastPass, SelectPass, fast_topk_torch, select_within_bound
 from .privatizer import PrivacyReceipt, TokenPrivatizer, candidate_index
 from .table import EmbeddingTable
 
@@ -408,6 +409,17 @@ def locate_plain(full: Sequence[int], plain: Sequence[int], special_ids: frozens
     raise ValueError("cannot align the prompt's tokens with its text: the tokenizer adds non-special tokens")
 
 
+def added_special_tokens(tokenizer, special_ids: frozenset[int]) -> tuple[list[int], list[int]]:
+    """(prefix, suffix): the special ids an HF ``tokenizer`` adds around any single text when
+    ``add_special_tokens=True`` (e.g. ``([bos], [])`` for Llama, ``([], [])`` for most chat
+    models), found by tokenising a probe text both ways. ValueError if it adds non-special ids."""
+    probe = "a"
+    full = list(tokenizer(probe, add_special_tokens=True)["input_ids"])
+    mask = locate_plain(full, tokenizer.encode(probe, add_special_tokens=False), special_ids)
+    start, stop = mask.index(True), len(mask) - mask[::-1].index(True)
+    return full[:start], full[stop:]
+
+
 def truncated_mask(
     full: Sequence[int], mask: Sequence[bool], final: Sequence[int], side: str | None = None
 ) -> list[bool]:
@@ -573,6 +585,8 @@ class PromptPrivacy:
     ``cfg``: the ``PromptPrivacyConfig`` (topk, fast_dtype, effective_dim, delta, mode).
     ``cache``: the history cache (None: every request is noised afresh).
     ``placeholder_id``: the id put at private positions in embeddings mode.
+    ``fast_pass``/``select``: the nearest-candidate search's passes (``TokenPrivatizer``; e.g. the
+    fused CPU ``kernels.nearest_select``), speed only.
     """
 
     def __init__(
@@ -583,8 +597,11 @@ class PromptPrivacy:
         *,
         placeholder_id: int = 0,
         embed_dtype: torch.dtype | None = None,
+        fast_pass: FastPass = fast_topk_torch,
+        select: SelectPass = select_within_bound,
     ) -> None:
         self.table = table
+        self._search = {"fast_pass": fast_pass, "select": select}
         self.cfg = cfg
         self.cache = cache
         self.placeholder_id = placeholder_id
@@ -614,7 +631,7 @@ class PromptPrivacy:
                 options.delta,
                 effective_dim=self.cfg.effective_dim if options.mechanism == "trlap_paper" else None,
             )
-        built = TokenPrivatizer(self.table, mechanism, topk=self.cfg.topk, index=self._index)
+        built = TokenPrivatizer(self.table, mechanism, topk=self.cfg.topk, index=self._index, **self._search)
         with self._lock:
             self._privatizers[key] = built
             while len(self._privatizers) > PRIVATIZER_CACHE:

@@ -157,11 +157,15 @@ def build_prompt_privacy(
 ) -> tuple[PromptPrivacy, TableInfo]:
     """The ``PromptPrivacy`` service of ``model`` with ``tokenizer`` (an HF tokenizer without
     vLLM's additions) under ``cfg`` (``PromptPrivacyConfig``); the default privatizer is built
-    now, so a configuration that cannot be calibrated fails at start-up."""
+    now, so a configuration that cannot be calibrated fails at start-up. The nearest-candidate
+    selection is the fused C++ CPU kernel where it builds (``kernels.nearest_select``)."""
+    from ..kernels.nearest_select import default_select
+
     embeddings = load_embedding_matrix(model)
     table, info = build_table(embeddings, len(tokenizer), special_token_ids(tokenizer), cfg)
     cache = HistoryCache(cfg.cache_size, keyed_hash(key_file)) if cfg.cache_history else None
-    service = PromptPrivacy(table, cfg, cache, placeholder_id=placeholder_id, embed_dtype=embed_dtype)
+    service = PromptPrivacy(table, cfg, cache, placeholder_id=placeholder_id, embed_dtype=embed_dtype,
+                            select=default_select(table.embeddings.device))
     try:
         service.privatizer(service.options())
     except ValueError as exc:

@@ -37,12 +37,14 @@ import logging
 import os
 from collections import OrderedDict
 
+import torch
 from vllm.renderers.hf import HfRenderer
 
 from ..config import ConfigError
 from ..prompt.session import (
     PrivatizedPrompt,
     PromptReceipt,
+    added_special_tokens,
     chat_segments,
     current_request,
     locate_plain,
@@ -78,6 +80,7 @@ class DPRenderer(HfRenderer):
                 self._context.length,
             )
         self._prompt = None
+        self._around: tuple[list[int], list[int]] | None = None  # added special ids, found lazily
         self._recent: OrderedDict[str, dict] = OrderedDict()
         if cfg.prompt is not None:
             self._start_prompt_privacy(config, cfg)
@@ -172,11 +175,9 @@ class DPRenderer(HfRenderer):
     def _tokenize_prompt(self, prompt, params):
         out = super()._tokenize_prompt(prompt, params)
         if self._prompt is not None:
-            text = prompt["prompt"]
-            plain = self._encode(text)
-            add = bool(params.get_encode_kwargs().get("add_special_tokens"))
-            full = self.tokenizer(text, add_special_tokens=True)["input_ids"] if add else plain
-            out[FULL_MARK] = (list(full), locate_plain(full, plain, self._special))
+            kwargs = params.get_encode_kwargs()
+            full, plain = full_and_plain(self.tokenizer, prompt["prompt"], out["prompt_token_ids"], kwargs)
+            out[FULL_MARK] = (full, locate_plain(full, plain, self._special))
         return out
 
     def process_for_engine(self, prompt, arrival_time, **kwargs):
@@ -196,6 +197,8 @@ class DPRenderer(HfRenderer):
         if self._prompt is None:
             return None
         if RECEIPT_MARK in prompt:
+            if getattr(tok_params, "add_special_tokens", False):
+                self._add_special_tokens(prompt)
             return prompt.pop(RECEIPT_MARK)
         if "encoder_prompt" in prompt or prompt.get("multi_modal_data"):
             raise ValueError("prompt privatization supports text and token-id prompts only")
@@ -217,6 +220,23 @@ class DPRenderer(HfRenderer):
         request, slot, options = self._begin()
         job = functools.partial(self._complete_cmpl, prompt, ids, mask, options, request, slot, detokenize)
         return job if asynchronous else job()
+
+    def _add_special_tokens(self, prompt) -> None:
+        """A chat request with ``add_special_tokens``: the tokenizer's added special ids (public)
+        around the privatized ids, as vLLM's tokenisation of the rendered chat would place them."""
+        if self._around is None:
+            self._around = added_special_tokens(self.tokenizer, self._special)
+        prefix, suffix = self._around
+        if not prefix and not suffix:
+            return
+        prompt["prompt_token_ids"] = [*prefix, *prompt["prompt_token_ids"], *suffix]
+        if "prompt_embeds" in prompt:
+            embeds = prompt["prompt_embeds"]  # [n, d]
+            prompt["prompt_embeds"] = torch.cat(
+                [embeds.new_zeros(len(prefix), embeds.shape[1]), embeds, embeds.new_zeros(len(suffix), embeds.shape[1])]
+            )
+            flags = prompt["prompt_is_token_ids"]
+            prompt["prompt_is_token_ids"] = [True] * len(prefix) + list(flags) + [True] * len(suffix)
 
     def _complete_cmpl(self, prompt, ids, mask, options, request, slot, detokenize) -> PromptReceipt:
         done = self._prompt.privatize(token_segments(ids, mask, ids), options)
@@ -281,6 +301,20 @@ class DPRenderer(HfRenderer):
         engine_input["prompt_token_ids"] = self._context.prepend(engine_input["prompt_token_ids"])
         engine_input.pop("prompt_token_offsets", None)  # char offsets of the public text only
         return engine_input
+
+
+def full_and_plain(tokenizer, text: str, ids: list[int], encode_kwargs: dict) -> tuple[list[int], list[int]]:
+    """(``text`` tokenised with ``encode_kwargs``' ``add_special_tokens`` but untruncated, ``text``
+    tokenised without added special tokens), given ``ids``: vLLM's tokenisation of ``text`` with
+    ``encode_kwargs``. Re-tokenises only when ``ids`` may be truncated (as long as the
+    ``max_length`` limit) or the tokenizer adds special tokens: the common case costs nothing."""
+    limit = encode_kwargs.get("max_length") if encode_kwargs.get("truncation") else None
+    add = bool(encode_kwargs.get("add_special_tokens"))
+    full = list(ids)
+    if limit is not None and len(full) >= limit:  # maybe truncated: the whole text again
+        full = list(tokenizer(text, add_special_tokens=add)["input_ids"])
+    adds_nothing = getattr(tokenizer, "num_special_tokens_to_add", lambda: None)() == 0
+    return full, (full if not add or adds_nothing else tokenizer.encode(text, add_special_tokens=False))
 
 
 def _text_params(params):

@@ -1,0 +1,46 @@
+"""The selection step of the certified fp32 nearest-candidate search, fused for CPU (C++ via
+``cpu_extension``), beside its torch reference ``prompt.nearest.select_within_bound``.
+
+``select_within_bound(scores, slack, queries, rows)``: ``scores [n, K]`` fp32 GEMM scores
+``||e||^2 - 2 <e, r>``, ``slack [n]`` fp32, ``queries [n, d]``, ``rows [K, d]`` fp32. For each
+query, among the rows whose score is within ``slack`` of the query's best, the nearest by float64
+``||e - r||^2``, ties -> lowest position: ``[n]`` int64, the reference's contract. One pass over
+each query's scores instead of five torch passes over the whole matrix.
+
+``default_select(device)``: this kernel for CPU tensors when it builds, the torch reference
+otherwise (CUDA, no compiler).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_dp_plugin.prompt.nearest import SelectPass
+from vllm_dp_plugin.prompt.nearest import select_within_bound as select_torch
+
+from .cpu_extension import load
+
+
+def _extension():
+    return load("nearest_select.cpp")
+
+
+def select_within_bound(
+    scores: torch.Tensor, slack: torch.Tensor, queries: torch.Tensor, rows: torch.Tensor
+) -> torch.Tensor:
+    """The fused CPU ``SelectPass`` (needs the extension: ``default_select`` checks). Raises
+    ValueError on non-finite scores (the torch reference cannot answer those either)."""
+    try:
+        return _extension().select_within_bound(
+            scores.float().contiguous(), slack.float().contiguous(),
+            queries.float().contiguous(), rows.float().contiguous(),
+        )
+    except RuntimeError as err:
+        raise ValueError(str(err).splitlines()[0]) from None
+
+
+def default_select(device: torch.device | str = "cpu") -> SelectPass:
+    """The fused CPU selection for ``device`` cpu when it is built, else the torch reference."""
+    if torch.device(device).type == "cpu" and _extension() is not None:
+        return select_within_bound
+    return select_torch
