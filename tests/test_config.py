@@ -130,6 +130,7 @@ def test_prompt_section_defaults_and_switches():
         ({"topk": 0}, "prompt.topk must be an integer >= 1"),
         ({"effective_dim": 0}, "prompt.effective_dim must be an integer >= 1"),
         ({"fast_dtype": "float16"}, "prompt.fast_dtype must be one of"),
+        ({"search_device": "tpu"}, "prompt.search_device must be one of"),
         ({"mode": "logits"}, "prompt.mode must be one of"),
         ({"cache_history": "yes"}, "prompt.cache_history must be true or false"),
         ({"eps": 1}, r"dp_privacy.prompt: unknown key\(s\) \['eps'\]"),

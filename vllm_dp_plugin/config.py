@@ -120,6 +120,7 @@ def _check_bounds(bounds: Any) -> None:
 
 PROMPT_MODES = ("tokens", "embeddings")
 FAST_DTYPES = ("float32", "bfloat16")
+SEARCH_DEVICES = ("auto", "cpu", "cuda")
 
 
 @dataclass(frozen=True)
@@ -134,7 +135,8 @@ class PromptPrivacyConfig:
     ``mechanism``: one of ``prompt.MECHANISMS``. ``effective_dim``: Remark 1's dummy dimension,
     used by ``trlap_paper`` only. ``center``/``clip_quantile``: the embedding table's centring and
     clip norm (a quantile of the centred row norms). ``topk``/``fast_dtype``: nearest-candidate
-    search (utility and speed only). ``allow_request_override``: requests may pick mechanism and
+    search (utility and speed only); ``search_device``: where that search runs (``auto``: the API
+    server's CUDA device when it has one, else CPU). ``allow_request_override``: requests may pick mechanism and
     epsilon (``vllm_xargs``: ``dp_mechanism``, ``dp_epsilon``), capped by ``max_epsilon`` when set.
     ``cache_history``/``cache_size``: reuse the privatized ids of earlier user turns of the same
     conversation and of retried requests (LRU of ``cache_size`` segments) instead of re-noising.
@@ -150,6 +152,7 @@ class PromptPrivacyConfig:
     clip_quantile: float = 0.5
     topk: int = 32
     fast_dtype: str = "float32"
+    search_device: str = "auto"
     allow_request_override: bool = True
     max_epsilon: float | None = None
     cache_history: bool = True
@@ -171,6 +174,7 @@ class PromptPrivacyConfig:
         _check(check_count, self.topk, "prompt.topk")
         _check(check_count, self.cache_size, "prompt.cache_size")
         _choice(self.fast_dtype, FAST_DTYPES, "prompt.fast_dtype")
+        _choice(self.search_device, SEARCH_DEVICES, "prompt.search_device")
         _choice(self.mode, PROMPT_MODES, "prompt.mode")
         if self.max_epsilon is not None:
             _check(check_epsilon, self.max_epsilon, "prompt.max_epsilon")

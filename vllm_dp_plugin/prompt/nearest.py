@@ -173,6 +173,10 @@ class CandidateIndex:
         rows32 = rows.to(torch.float32).contiguous()
         return cls(ids, rows32, rows32.pow(2).sum(-1), rows32.to(fast_dtype))
 
+    def to(self, device: torch.device | str) -> CandidateIndex:
+        """This index with every tensor on ``device``."""
+        return CandidateIndex(*(t.to(device) for t in (self.ids, self.rows, self.sq_norms, self.fast_rows)))
+
     def nearest(
         self,
         queries: torch.Tensor,
@@ -181,7 +185,8 @@ class CandidateIndex:
         fast_pass: FastPass = fast_topk_torch,
         select: SelectPass = select_within_bound,
     ) -> torch.Tensor:
-        """Token ids ``[n]`` of the nearest candidate to each query ``[n, d]`` (any float dtype):
+        """Token ids ``[n]`` (on the queries' device) of the nearest candidate to each query
+        ``[n, d]`` (any float dtype, any device; searched on the index's device):
         fast-pass top-``k`` per chunk of ``chunk`` queries, then the exact re-rank (the default
         fp32 torch pass re-ranks only the rows its error bound cannot separate, with ``select``:
         ``certified_nearest_fp32``, same answer, no top-k)."""
@@ -199,5 +204,5 @@ class CandidateIndex:
                 for block in queries32.split(chunk)
             ]
         if not positions:
-            return self.ids[:0]
-        return self.ids[torch.cat(positions)]
+            return self.ids[:0].to(queries.device)
+        return self.ids[torch.cat(positions)].to(queries.device)

@@ -585,8 +585,9 @@ class PromptPrivacy:
     ``cfg``: the ``PromptPrivacyConfig`` (topk, fast_dtype, effective_dim, delta, mode).
     ``cache``: the history cache (None: every request is noised afresh).
     ``placeholder_id``: the id put at private positions in embeddings mode.
-    ``fast_pass``/``select``: the nearest-candidate search's passes (``TokenPrivatizer``; e.g. the
-    fused CPU ``kernels.nearest_select``), speed only.
+    ``device``: where the nearest-candidate search runs (the index is copied there; noise is
+    drawn on CPU in float64 either way). ``fast_pass``/``select``: that search's passes
+    (``TokenPrivatizer``; e.g. Triton on CUDA, the fused CPU ``kernels.nearest_select``), speed only.
     """
 
     def __init__(
@@ -597,6 +598,7 @@ class PromptPrivacy:
         *,
         placeholder_id: int = 0,
         embed_dtype: torch.dtype | None = None,
+        device: torch.device | str = "cpu",
         fast_pass: FastPass = fast_topk_torch,
         select: SelectPass = select_within_bound,
     ) -> None:
@@ -608,7 +610,8 @@ class PromptPrivacy:
         self.embed_dtype = embed_dtype or table.embeddings.dtype
         self._privatizers: OrderedDict[tuple, TokenPrivatizer] = OrderedDict()
         fast_dtype = torch.bfloat16 if cfg.fast_dtype == "bfloat16" else torch.float32
-        self._index = candidate_index(table, fast_dtype)  # one copy, shared by every privatizer
+        self.device = torch.device(device)
+        self._index = candidate_index(table, fast_dtype).to(self.device)  # one copy, shared by every privatizer
         self._lock = threading.Lock()
 
     def options(self, overrides: Mapping[str, Any] | None = None) -> PromptOptions:

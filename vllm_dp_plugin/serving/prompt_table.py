@@ -158,19 +158,31 @@ def build_prompt_privacy(
     """The ``PromptPrivacy`` service of ``model`` with ``tokenizer`` (an HF tokenizer without
     vLLM's additions) under ``cfg`` (``PromptPrivacyConfig``); the default privatizer is built
     now, so a configuration that cannot be calibrated fails at start-up. The nearest-candidate
-    selection is the fused C++ CPU kernel where it builds (``kernels.nearest_select``)."""
+    search runs on ``search_device(cfg)``: Triton top-k on CUDA, the fused C++ selection on CPU
+    where they are available (``kernels``), torch otherwise."""
+    from ..kernels.nearest import default_fast_pass
     from ..kernels.nearest_select import default_select
 
+    device = search_device(cfg.search_device)
     embeddings = load_embedding_matrix(model)
     table, info = build_table(embeddings, len(tokenizer), special_token_ids(tokenizer), cfg)
     cache = HistoryCache(cfg.cache_size, keyed_hash(key_file)) if cfg.cache_history else None
     service = PromptPrivacy(table, cfg, cache, placeholder_id=placeholder_id, embed_dtype=embed_dtype,
-                            select=default_select(table.embeddings.device))
+                            device=device, fast_pass=default_fast_pass(device), select=default_select(device))
     try:
         service.privatizer(service.options())
     except ValueError as exc:
         raise ConfigError(f"prompt: {exc}") from None
     return service, info
+
+
+def search_device(choice: str) -> torch.device:
+    """The device of ``prompt.search_device``: ``auto`` is CUDA when this process sees a CUDA
+    device, else CPU; ``cuda`` without one is a ``ConfigError``."""
+    has_cuda = torch.cuda.is_available()
+    if choice == "cuda" and not has_cuda:
+        raise ConfigError("prompt.search_device is cuda but this process sees no CUDA device")
+    return torch.device("cuda" if choice == "cuda" or (choice == "auto" and has_cuda) else "cpu")
 
 
 def receipt_log_line(receipt: PromptReceipt) -> str:

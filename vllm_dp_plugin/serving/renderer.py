@@ -124,11 +124,11 @@ class DPRenderer(HfRenderer):
         self._special = frozenset(special_token_ids(hf_tokenizer))
         logger.info(
             "vllm-dp: prompt privatization on (%s, eps=%g, delta=%g per token, mode %s, history "
-            "cache %s, request overrides %s): %s",
+            "cache %s, request overrides %s, nearest-candidate search on %s): %s",
             p.mechanism, p.epsilon, p.delta, p.mode,
             f"{p.cache_size} segments" if p.cache_history else "off",
             "allowed" if p.allow_request_override else "refused",
-            info.describe(),
+            self._prompt.device, info.describe(),
         )
 
     # ------------------------------------------------------------------ chat
