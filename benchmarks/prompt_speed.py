@@ -36,8 +36,15 @@ from pathlib import Path
 
 import torch
 
+from vllm_dp_plugin.kernels.nearest_select import default_select
 from vllm_dp_plugin.prompt import EmbeddingTable, TokenPrivatizer, token_mechanism
-from vllm_dp_plugin.prompt.nearest import CandidateIndex, FastPass, fast_topk_torch
+from vllm_dp_plugin.prompt.nearest import (
+    CandidateIndex,
+    FastPass,
+    SelectPass,
+    fast_topk_torch,
+    select_within_bound,
+)
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -114,19 +121,31 @@ def timed(
     return statistics.median(times), len(times), result
 
 
-def fast_passes(device: torch.device) -> dict[str, FastPass]:
-    """``torch`` everywhere, ``triton`` on CUDA when triton is installed."""
-    passes: dict[str, FastPass] = {"torch": fast_topk_torch}
+Search = tuple[FastPass, SelectPass]  # (fast pass, selection of the certified fp32 search)
+
+
+def fast_passes(device: torch.device) -> dict[str, Search]:
+    """``torch`` everywhere; ``torch+C++ select`` on CPU when the fused selection builds (used
+    by fp32 rows only: bf16 rows take the top-k path); ``triton`` on CUDA when triton is
+    installed."""
+    passes: dict[str, Search] = {"torch": (fast_topk_torch, select_within_bound)}
+    if device.type == "cpu" and default_select(device) is not select_within_bound:
+        passes["torch+C++ select"] = (fast_topk_torch, default_select(device))
     if device.type == "cuda":
         try:
             import triton  # noqa: F401
 
             from vllm_dp_plugin.kernels.nearest import fast_topk_triton
 
-            passes["triton"] = fast_topk_triton
+            passes["triton"] = (fast_topk_triton, select_within_bound)
         except ImportError:
             pass
     return passes
+
+
+def applies(pass_name: str, dtype_name: str) -> bool:
+    """The C++ selection only changes the fp32 certified search."""
+    return not (pass_name == "torch+C++ select" and dtype_name != "fp32")
 
 
 def synthetic_table(vocab: int, dim: int, seed: int, device: torch.device) -> torch.Tensor:
@@ -163,14 +182,16 @@ def bench_nearest(args, device: torch.device, vocab: int, dim: int, log) -> list
                 "batch": batch,
             }
             reason = skip_reason(batch, vocab, dim, args.max_macs)
-            for pass_name, fast_pass in passes.items():
+            for pass_name, (fast_pass, select) in passes.items():
+                if not applies(pass_name, dtype_name):
+                    continue
                 row = {**base, "pass": pass_name}
                 if reason:
                     rows_out.append({**row, "status": reason})
                     continue
 
-                def call(size, fast_pass=fast_pass, index=index):
-                    return index.nearest(queries[:size], TOPK, CHUNK, fast_pass)
+                def call(size, fast_pass=fast_pass, select=select, index=index):
+                    return index.nearest(queries[:size], TOPK, CHUNK, fast_pass, select)
 
                 seconds, repeats, got = timed(call, batch, device, args.min_time, args.max_repeats)
                 key = (vocab, dim, batch)
@@ -219,6 +240,7 @@ def bench_privatizer(args, device: torch.device, vocab: int, dim: int, log) -> l
             for d in args.dtypes
             for b in args.batches
             for p in passes
+            if applies(p, d)
         ]
     start = time.perf_counter()
     table = EmbeddingTable.build(synthetic_table(vocab, dim, args.seed, device), vocab)
@@ -230,9 +252,11 @@ def bench_privatizer(args, device: torch.device, vocab: int, dim: int, log) -> l
     ids = torch.randint(0, vocab, (n_max,), generator=gen, device=device)
     rows_out = []
     for dtype_name in args.dtypes:
-        for pass_name, fast_pass in passes.items():
+        for pass_name, (fast_pass, select) in passes.items():
+            if not applies(pass_name, dtype_name):
+                continue
             start = time.perf_counter()
-            priv = TokenPrivatizer(table, mech, fast_dtype=DTYPES[dtype_name], fast_pass=fast_pass)
+            priv = TokenPrivatizer(table, mech, fast_dtype=DTYPES[dtype_name], fast_pass=fast_pass, select=select)
             sync(device)
             index_s = time.perf_counter() - start
             for batch in args.batches:
