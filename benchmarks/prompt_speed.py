@@ -3,7 +3,7 @@
 Two parts, on synthetic seeded Gaussian embedding tables (default 30k x 384 and 128k x 4096):
 
 1. **nearest step**: ``CandidateIndex.nearest`` (fast-pass top-32 per chunk of 512 queries +
-   exact fp32 re-rank) for queries ``r = e_w + z`` (a random row plus N(0, ``--query-noise``^2)
+   exact float64 re-rank) for queries ``r = e_w + z`` (a random row plus N(0, ``--query-noise``^2)
    per coordinate), torch fast pass vs the Triton kernel (CUDA only), fp32 vs bf16 fast rows;
 2. **whole privatizer**: ``TokenPrivatizer.privatize`` with ``trlap_corrected`` at eps 10
    (delta ``--delta``) over every token of the batch: table lookup, TrLaplace noise, nearest
@@ -342,7 +342,7 @@ def render_markdown(results: dict) -> str:
         "",
         (
             f"Synthetic N(0, 1) tables (seed {meta['seed']}), top-{TOPK} fast pass per chunk of "
-            f"{CHUNK} queries + exact fp32 re-rank. tokens/s = batch / median seconds of one call "
+            f"{CHUNK} queries + exact float64 re-rank (fp32 rows: the certified window). tokens/s = batch / median seconds of one call "
             f"(after a warm-up call: full batch on CUDA, {CPU_WARMUP} tokens on CPU). `agree` = "
             "fraction of ids equal to the torch fp32 pass on the same queries."
         ),

@@ -31,7 +31,7 @@ Guarantee of ``fast_topk_triton``: with its own fp32 scores (which can differ fr
 the last bits: different summation order; and for bf16 rows torch rounds the dot products to bf16,
 the kernel does not), the returned positions are the k lexicographically smallest
 (score, position) pairs, sorted by score then position. The exact nearest candidate is then
-chosen by ``CandidateIndex``'s fp32 re-rank, so only membership in the top-k matters.
+chosen by ``CandidateIndex``'s float64 re-rank, so only membership in the top-k matters.
 
 Triton is imported lazily and the kernel is decorated at first launch (as in ``tree_build``), so
 this module imports without triton; ``prompt/`` stays pure torch and only receives the function.

@@ -54,7 +54,7 @@ def test_exact_ties_go_to_the_lowest_id(fast_dtype):
 
 def test_rerank_fixes_bf16_near_ties():
     """Queries almost equidistant from two rows: bf16 scores alone pick the wrong row for some,
-    the exact fp32 re-rank of the bf16 top-k recovers brute force on all."""
+    the exact float64 re-rank of the bf16 top-k recovers brute force on all."""
     rows = random_rows(5, k=400, d=64) * 4.0
     gen = torch.Generator().manual_seed(6)
     a, b = torch.randint(0, 400, (2, 2000), generator=gen)
