@@ -30,6 +30,10 @@ from pathlib import Path
 from vllm_dp_plugin.benchmarks.serve import DEFAULT_OUT, config_env, served_latency
 
 TARGET_OVERHEAD = 0.10  # (prompt TTFT / stock TTFT) - 1, CPU, demo model, 512-token prompts
+# --shape wide: the demo vocabulary with a body whose parameters per token dwarf the vocabulary
+# search as in real models (V d / params ~ 4%; an 8B model with a 128k vocabulary: ~7%)
+SHAPES = {"demo": {}, "wide": {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 8,
+                               "num_attention_heads": 16, "num_key_value_heads": 2}}
 
 
 def config_of(name: str, args: argparse.Namespace, work: Path) -> tuple[list[str], dict]:
@@ -78,7 +82,7 @@ def markdown(args: argparse.Namespace, summ: dict, meta: dict) -> str:
 
     return "\n".join([
         f"# vllm-dp bench prompt-ttft ({meta['device']}, {meta['date']})", "",
-        (f"Command: `{meta['command']}`. Model `{args.model}`; `vllm bench serve`, dataset random, "
+        (f"Command: `{meta['command']}`. Model `{args.model}` (shape `{args.shape}`); `vllm bench serve`, dataset random, "
         f"{args.input_len} prompt tokens (all privatized), {args.output_len} output tokens, concurrency 1, "
         f"{args.num_prompts} prompts per run, {args.repeats} interleaved runs per config (median reported). "
         f"`prompt`: mechanism `{args.mechanism}`, eps {args.epsilon:g} per token."), "",
@@ -91,7 +95,10 @@ def markdown(args: argparse.Namespace, summ: dict, meta: dict) -> str:
 
 def build_parser(prog: str = "vllm-dp bench prompt-ttft") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=".demo/llama", help="model dir (demo Llama built if missing)")
+    p.add_argument("--model", default=None,
+                   help="model dir (default .demo/llama, or .demo/llama-<shape>; built if missing)")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="demo",
+                   help="geometry of a demo Llama built when --model is missing (wide: 8 layers of 512)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=4)
@@ -108,10 +115,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.quick:
         args.input_len, args.num_prompts, args.repeats = 64, 4, 1
+    if args.model is None:
+        args.model = ".demo/llama" if args.shape == "demo" else f".demo/llama-{args.shape}"
     if not (Path(args.model) / "config.json").exists():
-        from vllm_dp_plugin.demo import make_demo_llama
+        from vllm_dp_plugin.demo import DemoLlamaShape, make_demo_llama
 
-        make_demo_llama(args.model)
+        make_demo_llama(args.model, DemoLlamaShape(**SHAPES[args.shape]))
     work = Path(tempfile.mkdtemp(prefix="vllm-dp-bench-ttft-"))
     rows = measure(args, work)
     summ = summary(rows)
@@ -119,7 +128,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     meta = {"date": date, "device": f"cpu-{os.cpu_count()}core", "platform": platform.platform(),
             "command": "vllm-dp bench prompt-ttft " + " ".join(argv), "work_dir": str(work)}
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"prompt-ttft-{meta['device']}-{date}"
+    shape = "" if args.shape == "demo" else f"{args.shape}-"
+    stem = args.out / f"prompt-ttft-{shape}{meta['device']}-{date}"
     stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "settings": {
         k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "runs": rows, "summary": summ},
         indent=1))

@@ -36,3 +36,18 @@ def test_every_bench_suite_is_routed(suite, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["bench", suite, "--help"])
     assert exit_.value.code == 0 and f"vllm-dp bench {suite}" in capsys.readouterr().out
+
+
+def test_wide_shape_has_a_real_models_search_to_body_ratio():
+    """--shape wide: the vocabulary search (V d MACs per token) is a few percent of the body's
+    per-token MACs, as in real models; the demo's is comparable to its whole body."""
+    from vllm_dp_plugin.benchmarks.prompt_ttft import SHAPES
+    from vllm_dp_plugin.demo import DemoLlamaShape
+
+    def search_to_body(shape: DemoLlamaShape) -> float:
+        d, kv = shape.hidden_size, shape.num_key_value_heads * (shape.hidden_size // shape.num_attention_heads)
+        layer = 2 * d * d + 2 * d * kv + 3 * d * shape.intermediate_size  # q, o, k, v, MLP
+        return shape.vocab_size * d / (shape.num_hidden_layers * layer)
+
+    assert search_to_body(DemoLlamaShape(**SHAPES["demo"])) > 0.5  # 0.89
+    assert search_to_body(DemoLlamaShape(**SHAPES["wide"])) < 0.1  # 0.044
