@@ -93,21 +93,24 @@ def test_same_generator_state_same_draws():
     assert np.array_equal(draw(law, seed=5, n=100), draw(law, seed=5, n=100))
 
 
-def test_packed_signs_are_independent_fair_bits():
-    """The signs are unpacked 62 per int64 draw: each position of a word, and every pair of
-    neighbours (within a word and across the word boundary), must be fair and independent.
-    Chi-square at a fixed seed; with 62 positions tested, alpha = 1e-3 each."""
-    from vllm_dp_plugin.privacy.noise import SIGN_BITS, _random_sign
+# Draws of the samplers from one seed, recorded 2026-11-23. Keyed noise (privacy.keyed_noise) is
+# re-derived from (key, context) at every start: a sampler that draws differently from the same
+# generator would make an upgraded server release a deployment's private context again with NEW
+# noise, spending its budget a second time without any ledger noticing. Change these values only
+# together with the keyed-noise domain tag (a new "vllm-dp/vN" derivation) and a release note.
+PINNED_SEED = 20261123
+PINNED = {
+    "laplace(1, bound 2)": (LaplaceNoise(1.0, 2.0), [
+        -1.9349171747523868, 0.10853031745198659, 0.8877789146424755,
+        0.956774718726511, 0.4521495124468866, -0.15866023520286845]),
+    "gaussian(1)": (GaussianNoise(1.0), [
+        -1.2518031908583878, 0.12307623944749396, 1.8565370246453612,
+        0.8941761874216355, -1.2731531024438414, -0.1673624561841813]),
+}
 
-    words = 4000
-    signs = _random_sign((words * SIGN_BITS,), torch.Generator().manual_seed(11)) > 0  # [n] bool
-    by_position = signs.reshape(words, SIGN_BITS).double().sum(0).numpy()  # ones per bit position
-    expected = words / 2
-    chi2_positions = ((by_position - expected) ** 2 / expected * 2).max()  # 1 dof each
-    assert chi2_positions < stats.chi2.ppf(1 - 1e-3, 1)
-    pairs = (signs[:-1].long() * 2 + signs[1:].long()).numpy()  # neighbour pairs, boundaries included
-    counts = np.bincount(pairs, minlength=4)
-    assert stats.chisquare(counts).pvalue > 1e-3
-    shape = (3, 7)  # not a multiple of 62: the tail of the last word is dropped
-    assert _random_sign(shape, torch.Generator().manual_seed(0)).shape == shape
-    assert set(_random_sign((500,), torch.Generator().manual_seed(1)).unique().tolist()) == {-1.0, 1.0}
+
+@pytest.mark.parametrize("name", sorted(PINNED))
+def test_sampler_streams_are_pinned(name):
+    law, expected = PINNED[name]
+    draws = law.sample((20,), torch.Generator().manual_seed(PINNED_SEED))  # 20: torch's vectorised path
+    assert draws[:6].tolist() == expected

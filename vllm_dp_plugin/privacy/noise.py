@@ -52,18 +52,9 @@ def _uniform(shape: Shape, generator: torch.Generator) -> torch.Tensor:
     return torch.rand(shape, generator=generator, dtype=torch.float64, device=generator.device)
 
 
-SIGN_BITS = 62  # bits used per int64 draw: randint(0, 2**62) is V mod 2**62 of a uniform 64-bit V
-
-
 def _random_sign(shape: Shape, generator: torch.Generator) -> torch.Tensor:
-    """i.i.d. Rademacher signs (+-1.0, float64): the low 62 bits of uniform 64-bit draws, each bit
-    one sign (62 signs per generator call instead of one)."""
-    count = math.prod(shape)
-    words = torch.randint(0, 1 << SIGN_BITS, (-(-count // SIGN_BITS), 1), generator=generator,
-                          device=generator.device)  # [w, 1]
-    shifts = torch.arange(SIGN_BITS, device=generator.device)  # [62]
-    bits = ((words >> shifts) & 1).flatten()[:count]
-    return (bits.to(torch.float64) * 2.0 - 1.0).reshape(shape)
+    bits = torch.randint(0, 2, shape, generator=generator, device=generator.device)
+    return bits.to(torch.float64) * 2.0 - 1.0
 
 
 @dataclass(frozen=True)
