@@ -176,7 +176,8 @@ class DPRenderer(HfRenderer):
         out = super()._tokenize_prompt(prompt, params)
         if self._prompt is not None:
             kwargs = params.get_encode_kwargs()
-            full, plain = full_and_plain(self.tokenizer, prompt["prompt"], out["prompt_token_ids"], kwargs)
+            adds = self._added_specials() != ([], [])
+            full, plain = full_and_plain(self.tokenizer, prompt["prompt"], out["prompt_token_ids"], kwargs, adds)
             out[FULL_MARK] = (full, locate_plain(full, plain, self._special))
         return out
 
@@ -224,9 +225,7 @@ class DPRenderer(HfRenderer):
     def _add_special_tokens(self, prompt) -> None:
         """A chat request with ``add_special_tokens``: the tokenizer's added special ids (public)
         around the privatized ids, as vLLM's tokenisation of the rendered chat would place them."""
-        if self._around is None:
-            self._around = added_special_tokens(self.tokenizer, self._special)
-        prefix, suffix = self._around
+        prefix, suffix = self._added_specials()
         if not prefix and not suffix:
             return
         prompt["prompt_token_ids"] = [*prefix, *prompt["prompt_token_ids"], *suffix]
@@ -237,6 +236,12 @@ class DPRenderer(HfRenderer):
             )
             flags = prompt["prompt_is_token_ids"]
             prompt["prompt_is_token_ids"] = [True] * len(prefix) + list(flags) + [True] * len(suffix)
+
+    def _added_specials(self) -> tuple[list[int], list[int]]:
+        """(prefix, suffix) the tokenizer adds with ``add_special_tokens`` (probed once)."""
+        if self._around is None:
+            self._around = added_special_tokens(self.tokenizer, self._special)
+        return self._around
 
     def _complete_cmpl(self, prompt, ids, mask, options, request, slot, detokenize) -> PromptReceipt:
         done = self._prompt.privatize(token_segments(ids, mask, ids), options)
@@ -303,18 +308,20 @@ class DPRenderer(HfRenderer):
         return engine_input
 
 
-def full_and_plain(tokenizer, text: str, ids: list[int], encode_kwargs: dict) -> tuple[list[int], list[int]]:
+def full_and_plain(
+    tokenizer, text: str, ids: list[int], encode_kwargs: dict, adds_specials: bool
+) -> tuple[list[int], list[int]]:
     """(``text`` tokenised with ``encode_kwargs``' ``add_special_tokens`` but untruncated, ``text``
     tokenised without added special tokens), given ``ids``: vLLM's tokenisation of ``text`` with
-    ``encode_kwargs``. Re-tokenises only when ``ids`` may be truncated (as long as the
-    ``max_length`` limit) or the tokenizer adds special tokens: the common case costs nothing."""
+    ``encode_kwargs``, and whether the tokenizer ``adds_specials`` at all (``added_special_tokens``).
+    Re-tokenises only when ``ids`` may be truncated (as long as the ``max_length`` limit) or
+    special tokens were added: the common case costs nothing."""
     limit = encode_kwargs.get("max_length") if encode_kwargs.get("truncation") else None
     add = bool(encode_kwargs.get("add_special_tokens"))
     full = list(ids)
     if limit is not None and len(full) >= limit:  # maybe truncated: the whole text again
         full = list(tokenizer(text, add_special_tokens=add)["input_ids"])
-    adds_nothing = getattr(tokenizer, "num_special_tokens_to_add", lambda: None)() == 0
-    return full, (full if not add or adds_nothing else tokenizer.encode(text, add_special_tokens=False))
+    return full, (tokenizer.encode(text, add_special_tokens=False) if add and adds_specials else full)
 
 
 def _text_params(params):
