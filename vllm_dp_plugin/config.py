@@ -46,6 +46,9 @@ class AttentionPrivacyConfig:
     ``private_context``: text file whose tokens occupy positions [0, P) of every request of a
     decoder-only model (needs ``--tokenizer-mode dp_private``). Encoder-decoder models (Whisper)
     treat each request's encoder output as the private context instead.
+    ``allow_rerelease``: serve a private context the release ledger has seen released under other
+    noise (another key, weights or parameters): the budget is spent again and the report composes
+    every release. Off: such a start is refused.
     """
 
     epsilon: float
@@ -65,6 +68,7 @@ class AttentionPrivacyConfig:
     num_layers: int | None = None
     num_kv_heads: int | None = None
     releases_per_head: int = 1
+    allow_rerelease: bool = False
 
     def __post_init__(self) -> None:
         _check(check_epsilon, self.epsilon, "attention.epsilon")
@@ -86,6 +90,8 @@ class AttentionPrivacyConfig:
                 f"attention.epsilon={self.epsilon:g} is beyond what {self.composition} accounting "
                 f"handles (<= {MAX_CURVE_EPSILON:g}); use composition basic or advanced"
             )
+        if not isinstance(self.allow_rerelease, bool):
+            raise ConfigError(f"attention.allow_rerelease must be true or false, got {self.allow_rerelease!r}")
         if self.calibration is not None and self.bounds is not None:
             raise ConfigError("attention: give either `calibration` or `bounds`, not both")
         if self.bounds is not None:
@@ -190,9 +196,14 @@ class DPPrivacyConfig:
 
     ``enabled`` means DP attention (the ``attention`` section: the attention backend's switch);
     ``prompt_enabled`` means prompt privatization (the ``prompt`` section: the renderer's).
+    ``key_file``: the secret noise key (default ``$VLLM_DP_KEY_FILE`` or
+    ``~/.config/vllm-dp/noise.key``); ``ledger_file``: the release ledger (default
+    ``releases.jsonl`` beside the key). Keep both for the life of the deployment: a new key draws
+    new noise, i.e. releases the private context again.
     """
 
     key_file: str | None = None
+    ledger_file: str | None = None
     attention: AttentionPrivacyConfig | None = None
     prompt: PromptPrivacyConfig | None = None
 
@@ -203,7 +214,10 @@ class DPPrivacyConfig:
             raise ConfigError(f"{CONFIG_KEY} must be a mapping, got {type(raw).__name__}")
         _no_unknown_keys(raw, cls, CONFIG_KEY)
         sections = {"attention": AttentionPrivacyConfig, "prompt": PromptPrivacyConfig}
-        parsed: dict[str, Any] = {"key_file": raw.get("key_file")}
+        parsed: dict[str, Any] = {"key_file": raw.get("key_file"), "ledger_file": raw.get("ledger_file")}
+        for name, value in parsed.items():
+            if value is not None and not isinstance(value, str):
+                raise ConfigError(f"{CONFIG_KEY}.{name} must be a file path, got {value!r}")
         for name, section_cls in sections.items():
             if raw.get(name) is not None:
                 parsed[name] = _build(section_cls, raw[name], f"{CONFIG_KEY}.{name}")

@@ -7,7 +7,8 @@ A script (CPU vLLM forces spawn, hence the __main__ guard) driven by a JSON job:
 (Whisper: 1 s sine clips), ``{"poison_private_kv": true}`` (overwrite, on every worker, the
 cache rows the DP backend collected as private with NaN) or ``{"cross_releases": true}``
 (per worker: the DP cross-attention releases each layer holds) or ``{"release_checksums": true}``
-(every worker's decoder releases, merged by global KV head); the poison step also reports, per
+(every worker's decoder releases, merged by global KV head) or ``{"layer_report": true}`` (the
+start-up layer check's worker method, per worker); the poison step also reports, per
 worker and layer, whether the fused CPU kernel answers the exact public part. A generation step with
 ``"dp_options": {...}`` runs inside ``prompt_request(**options)`` (prompt privatization) and also
 returns the receipts (``receipts``, ``accessor_receipts``), or ``{"error": message}``.
@@ -104,6 +105,8 @@ def run_step(llm, step):
     if step.get("poison_private_kv"):
         return {"poisoned": llm.collective_rpc(poison_private_rows),
                 "fused_exact": llm.collective_rpc(fused_exact_layers)}
+    if step.get("layer_report"):
+        return {"layer_report": llm.collective_rpc("dp_privacy_layers")}
     if step.get("cross_releases"):
         return {"cross_releases": llm.collective_rpc(cross_releases)}
     if step.get("release_checksums"):

@@ -125,14 +125,52 @@ def test_budget_endpoint_and_startup_log_state_the_guarantee(server):
     assert ctx["spent"]["delta"] <= 1e-6
     log = log_path.read_text()
     assert "vllm-dp: DP attention on" in log and "Bluebird" not in log  # never log private text
+    assert "vllm-dp: verified: all 2 attention layers" in log  # the start-up layer check ran
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("field,value", [("echo", True), ("prompt_logprobs", 0), ("return_token_ids", True)])
+def test_budget_label_is_no_guessing_oracle(server):
+    """The attack of issue 15: with the public config and the context's tokens, recompute the
+    old unkeyed label (SHA-256 of model path, config and ids) and look for it in the budget and
+    the log. The served label is keyed: it matches no such recomputation."""
+    import hashlib
+
+    from transformers import AutoTokenizer
+
+    from vllm_dp_plugin.serving.context import tokenize_context
+
+    base, model, section, log_path = server
+    ids = tokenize_context(open(section["attention"]["private_context"]).read(), AutoTokenizer.from_pretrained(model))
+    unkeyed = hashlib.sha256(json.dumps({"model": model, "dp_privacy": section, "ids": ids}).encode()).hexdigest()
+    _, budget = request(base + "/v1/dp/budget")
+    label = budget["contexts"][0]["context"]
+    assert label.startswith("private_context ") and len(label.split()[1]) == 16
+    assert unkeyed[:12] not in label and unkeyed[:12] not in log_path.read_text()
+    assert budget["contexts"][0]["ledger"]["releases_of_this_context"] == 1
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("field,value", [
+    ("echo", True), ("prompt_logprobs", 0), ("return_token_ids", True), ("cache_salt", "abc"),
+    ("kv_transfer_params", {"do_remote_decode": True}),
+])
 def test_leaking_options_get_a_clear_400(server, field, value):
     base, model, _, _ = server
     status, reply = request(base + "/v1/completions", {
         "model": model, "prompt": PROMPT, "max_tokens": 2, field: value})
     assert status == 400 and f"`{field}` is not allowed" in reply["error"]["message"]
-    status, _ = request(base + "/tokenize", {"model": model, "prompt": PROMPT})
-    assert status == 403
+    for route in ("/tokenize", "/generative_scoring", "/pooling"):
+        status, _ = request(base + route, {"model": model, "prompt": PROMPT})
+        assert status == 403, route
+
+
+@pytest.mark.vllm
+def test_sagemaker_routes_are_served_and_guarded(server):
+    base, model, _, _ = server
+    ping = urllib.request.Request(base + "/ping", data=b"", method="POST")
+    with urllib.request.urlopen(ping, timeout=60) as response:
+        assert response.status == 200
+    status, done = request(base + "/invocations", {"model": model, "prompt": PROMPT, "max_tokens": 2})
+    assert status == 200 and done["usage"]["completion_tokens"] == 2
+    status, reply = request(base + "/invocations", {"model": model, "prompt": PROMPT, "echo": True})
+    assert status == 400 and "`echo` is not allowed" in reply["error"]["message"]

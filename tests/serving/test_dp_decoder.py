@@ -41,8 +41,10 @@ def dp_job(model, section, steps):
 
 @pytest.fixture(scope="module")
 def exact_dp(demo_model, deployment):
-    """DP on with eps = 1e6 (basic composition): noise ~1e-6 of the signal."""
-    section = dp_section(deployment, 1e6, composition="basic")
+    """DP on with eps = 1e6 (basic composition): noise ~1e-6 of the signal. Its own release
+    ledger: the eps = 1 deployment below releases the same context again, which the shared
+    ledger would refuse (tests/serving/test_engine_checks.py)."""
+    section = {**dp_section(deployment, 1e6, composition="basic"), "ledger_file": str(deployment / "exact.jsonl")}
     return run_engine(dp_job(demo_model, section, [GENERATE]))[0]
 
 
@@ -50,7 +52,8 @@ def exact_dp(demo_model, deployment):
 def noisy_dp(demo_model, deployment):
     """DP on with eps = 1: generate, repeat, poison the private cache rows, generate again."""
     section = dp_section(deployment, 1.0)
-    steps = [GENERATE, GENERATE, {"poison_private_kv": True}, GENERATE, {"release_checksums": True}]
+    steps = [GENERATE, GENERATE, {"poison_private_kv": True}, GENERATE, {"release_checksums": True},
+             {"layer_report": True}]
     return run_engine(dp_job(demo_model, section, steps))
 
 
@@ -75,7 +78,7 @@ def test_huge_epsilon_equals_stock_vllm_with_the_plain_prefix(exact_dp, demo_mod
 
 @pytest.mark.vllm
 def test_real_epsilon_changes_outputs_and_fixes_the_noise(noisy_dp, exact_dp):
-    first, repeat, poison, after_poison, _ = noisy_dp
+    first, repeat, poison, after_poison, *_ = noisy_dp
     assert first["token_ids"] != exact_dp["token_ids"]  # the DP path is really taken
     assert repeat["token_ids"] == first["token_ids"]  # noise drawn once, reused
     assert poison["poisoned"][0] > 0
@@ -107,3 +110,20 @@ def test_tensor_parallel_2_releases_the_structure_of_tp_1(noisy_dp, demo_model, 
     for head, (total, squares) in tp1.items():
         assert checksums["release_checksums"][head] == pytest.approx([total, squares], rel=1e-6)
     assert generated["token_ids"] == noisy_dp[0]["token_ids"]
+
+
+@pytest.mark.vllm
+def test_every_worker_layer_reports_the_dp_path_the_startup_check_requires(noisy_dp):
+    """The method the general plugin installs on vLLM's workers (called by the endpoint plugin
+    at start-up): both layers are DP impls, on, holding one context label, at the layer's scale;
+    the start-up check accepts it and refuses it with one layer turned off."""
+    from vllm_dp_plugin.config import ConfigError
+    from vllm_dp_plugin.serving.verify import check_layers
+
+    (layers,) = noisy_dp[5]["layer_report"]
+    assert len(layers) == 2 and all(entry["dp"] and entry["on"] for entry in layers)
+    label, scale = layers[0]["label"], layers[0]["scale"]
+    assert label is not None and all(entry["label"] == label for entry in layers)
+    check_layers([layers], layers=2, label=label, scale=scale)
+    with pytest.raises(ConfigError, match="not served"):
+        check_layers([[{**layers[0], "on": False}, layers[1]]], layers=2, label=label, scale=scale)

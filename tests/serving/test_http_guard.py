@@ -1,4 +1,5 @@
-"""The HTTP guard in front of the OpenAI routes while a private context is served."""
+"""The HTTP guard in front of the OpenAI routes while DP is on, and the start-up checks of the
+endpoint plugin (layers verified through the workers, request logging)."""
 
 import json
 
@@ -9,7 +10,10 @@ pytest.importorskip("fastapi")
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from vllm_dp_plugin.serving.http import PrivateContextGuard, forbidden_request
+from vllm_dp_plugin.serving.http import PrivateContextGuard, allowed_post, forbidden_request
+
+CONTEXT = allowed_post(frozenset({"context"}))
+PROMPT = allowed_post(frozenset({"prompt"}))
 
 
 @pytest.mark.parametrize(
@@ -22,26 +26,56 @@ from vllm_dp_plugin.serving.http import PrivateContextGuard, forbidden_request
         ("/v1/completions", {"prompt_embeds": "AAAA"}, 400, "prompt_embeds"),
         ("/tokenize", {"prompt": "hi"}, 403, "/tokenize"),
         ("/v1/responses", {"input": "hi"}, 403, "/v1/responses"),
+        ("/v1/completions", {"prompt": "hi", "cache_salt": "x"}, 400, "cache_salt"),
+        ("/v1/completions", {"prompt": "hi", "kv_transfer_params": {"do_remote_decode": True}}, 400,
+         "kv_transfer_params"),
+        ("/invocations", {"prompt": "hi", "echo": True}, 400, "echo"),  # SageMaker: same checks
+        ("/pooling", {"input": "hi"}, 403, "/pooling"),
+        ("/generative_scoring", {"query": "hi"}, 403, "/generative_scoring"),
     ],
 )
 def test_leaking_requests_are_refused_naming_the_field(path, body, status, field):
-    refusal = forbidden_request(path, body)
+    refusal = forbidden_request(path, body, CONTEXT, True)
     assert refusal is not None and refusal[0] == status and field in refusal[1]
 
 
 def test_ordinary_requests_pass():
-    assert forbidden_request("/v1/completions", {"prompt": "hi", "echo": False, "logprobs": 2}) is None
-    assert forbidden_request("/v1/chat/completions", {"messages": [], "prompt_logprobs": None}) is None
+    assert forbidden_request("/v1/completions", {"prompt": "hi", "echo": False, "logprobs": 2}, CONTEXT, True) is None
+    assert forbidden_request("/v1/chat/completions", {"messages": [], "prompt_logprobs": None}, CONTEXT, True) is None
+    assert forbidden_request("/invocations", {"prompt": "hi"}, CONTEXT, True) is None
+    assert forbidden_request("/ping", {}, CONTEXT, True) is None
 
 
-def _client(guard: bool) -> TestClient:
+def test_prompt_privatization_alone_closes_routes_that_skip_the_renderer():
+    """With only the prompt section on, routes that tokenise by themselves (never privatized)
+    are closed; the renderer's routes stay open, fields are not restricted."""
+    for path in ("/generative_scoring", "/tokenize", "/pooling", "/v1/embeddings", "/classify"):
+        assert forbidden_request(path, {}, PROMPT, False)[0] == 403
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages",
+                 "/v1/chat/completions/batch", "/invocations"):
+        assert forbidden_request(path, {"echo": True}, PROMPT, False) is None
+
+
+def test_routes_open_are_those_every_feature_on_can_serve():
+    both = allowed_post(frozenset({"context", "prompt"}))
+    assert both == CONTEXT and "/v1/responses" not in both
+    whisper = allowed_post(frozenset({"encoder"}))
+    assert "/v1/audio/transcriptions" in whisper and "/v1/completions" not in whisper
+
+
+def _client(guard: bool, routes=CONTEXT) -> TestClient:
     app = FastAPI()
     app.add_middleware(PrivateContextGuard)
     app.state.dp_guard = guard
+    app.state.dp_routes = routes
 
     @app.post("/v1/completions")
     async def completions(body: dict):
         return {"echoed_body": body}
+
+    @app.post("/generative_scoring")
+    async def scoring(body: dict):
+        return {"scored": True}
 
     return TestClient(app)
 
@@ -59,8 +93,16 @@ def test_middleware_answers_400_in_openai_error_format_and_forwards_the_body_int
     assert passed.status_code == 200 and passed.json() == {"echoed_body": body}
 
 
-def test_middleware_is_inert_without_a_private_context():
-    assert _client(guard=False).post("/v1/completions", json={"echo": True}).status_code == 200
+def test_middleware_is_inert_with_dp_off():
+    client = _client(guard=False, routes=None)
+    assert client.post("/v1/completions", json={"echo": True}).status_code == 200
+    assert client.post("/generative_scoring", json={}).status_code == 200
+
+
+def test_middleware_closes_other_routes_with_prompt_privatization_alone():
+    client = _client(guard=False, routes=PROMPT)
+    assert client.post("/generative_scoring", json={"query": "x"}).status_code == 403
+    assert client.post("/v1/completions", json={"echo": True}).status_code == 200
 
 
 def test_replayed_body_is_delivered_once_then_the_client_stream_continues():

@@ -35,6 +35,7 @@ from ..attention.merge import AttentionPart, merge_parts
 from ..attention.paged import BatchLayout, PublicQueries, causal_part, gather_spans
 from ..attention.private_context import HeadLayout, PrivateContextLayer
 from ..kernels.paged_exact import fused_available, paged_exact
+from ..config import ConfigError
 from ..privacy.keyed_noise import NoiseKey, context_id
 from .settings import (
     budget_payload,
@@ -44,6 +45,7 @@ from .settings import (
     dp_config,
     private_context,
     raw_config_json,
+    register_release,
 )
 
 logger = logging.getLogger("vllm.dp_privacy")  # inherits vLLM's log handler
@@ -85,6 +87,7 @@ class DPImplMixin:
         if not self._dp_on:
             return
         check_serving(vllm_config, cfg)
+        self._check_layer_features()
         self._vllm_config = vllm_config
         self._key = NoiseKey(cfg.key_file)
         tp, rank = get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
@@ -99,6 +102,22 @@ class DPImplMixin:
             self._context = private_context(vllm_config)
             self._private_slots = torch.empty(0, dtype=torch.long)  # cache slots of private rows
 
+    def _check_layer_features(self) -> None:
+        """Refuse layer features the DP path does not implement (it would silently ignore them:
+        the DP part attends to every private row with plain softmax at ``self.scale``)."""
+        unsupported = {
+            "a sliding window": self.sliding_window not in (None, -1, (-1, -1)),
+            "logit soft-capping": bool(self.logits_soft_cap),
+            "attention sinks": getattr(self, "sinks", None) is not None,
+            "ALiBi": self.alibi_slopes is not None,
+            f"a {self.kv_cache_dtype} KV cache": self.kv_cache_dtype not in KV_CACHE_DTYPES,
+            "KV sharing across layers": getattr(self, "kv_sharing_target_layer_name", None) is not None,
+        }
+        found = [name for name, present in unsupported.items() if present]
+        if found:
+            raise ConfigError(f"dp_privacy.attention: this model's attention layers use {', '.join(found)}, "
+                              "which DP attention does not implement")
+
     def fused_rope_kvcache_supported(self) -> bool:
         # DP on: every K/V write must go through do_kv_cache_update; DP off: the parent's answer
         return not self._dp_on and super().fused_rope_kvcache_supported()
@@ -110,7 +129,7 @@ class DPImplMixin:
     def _private_layer(self, layer) -> PrivateContextLayer:
         if self._layer is None:
             index = extract_layer_index(layer.layer_name)
-            plan = context_plan(self._vllm_config, "self_attention", self._context.length)
+            plan = context_plan(self._vllm_config, "self_attention", self._context.length, self.scale)
             self._layer = plan.layer(index, self._heads)
         return self._layer
 
@@ -132,8 +151,8 @@ class DPImplMixin:
             dp = self._private_layer(layer)
             dp.collect(positions[private], key[private.to(key.device)], value[private.to(value.device)])
             if dp.complete:
-                dp.release(self._key, self._context.context_id)
-                logger.info("vllm-dp: layer %d released (context %s...)", dp.layer, self._context.context_id[:12])
+                dp.release(self._key, self._context.identity.release)
+                logger.info("vllm-dp: layer %d released (context %s)", dp.layer, self._context.identity.label)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
         if not self._dp_on or attn_metadata is None:
@@ -212,14 +231,18 @@ def _on(index, tensor: torch.Tensor):
 
 _VALIDATED: set[str] = set()
 OUT_OF_REGIME = 0.5  # guaranteed relative kernel error above which a warning is logged
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float")  # unquantised
 
 
 def _validate_once(vllm_config) -> None:
     """Plan and account the configured release at start-up (bad bounds, calibration or budget
-    fail here, before any request), once per process; logs the privacy statement."""
+    fail here, before any request), once per process; records a decoder-only context's release
+    in the release ledger (refusing one under other noise); logs the privacy statement."""
     ident = raw_config_json(vllm_config)
     if ident in _VALIDATED:
         return
+    if dp_config(vllm_config).attention.private_context is not None:
+        register_release(vllm_config)
     payload = budget_payload(vllm_config)
     logger.info("vllm-dp: DP attention on: %s", payload)
     for ctx in payload["contexts"]:

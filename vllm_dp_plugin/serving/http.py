@@ -3,10 +3,17 @@
 * ``GET /v1/dp/budget``: the privacy statement of the served private context(s): (eps, delta)
   spent, per release and in total, and the guarantee's unit; and the per-token statement of
   prompt privatization when it is on.
-* A guard in front of the OpenAI routes while a private context is served: requests that would
-  reveal private positions (``echo``, ``prompt_logprobs``, ``return_token_ids``, prompt
-  embeddings) get a 400 naming the field; POST routes outside the allowlist (tokenize,
-  responses, ...) get a 403. The check reads only field names and flags, never logs text.
+* A guard in front of the OpenAI routes while any DP feature is on: POST routes outside the
+  allowlist of the features on (``allowed_post``: the routes whose prompts go through the
+  ``dp_private`` renderer, or, for Whisper, the transcription routes) get a 403, so a route that
+  tokenises by itself (``/generative_scoring``, ``/tokenize``, pooling) cannot bypass it. While a
+  private context is served, requests that would reveal private positions (``echo``,
+  ``prompt_logprobs``, ``return_token_ids``, prompt embeddings) or recompute or export them
+  (``cache_salt``, ``kv_transfer_params``) get a 400 naming the field. The check reads only field
+  names and flags, never logs text.
+* At start-up (``init_state``): every worker's every attention layer is checked to be a DP impl
+  holding the renderer's context (``verify``), and request logging at DEBUG (which logs prompt
+  ids and bodies) is refused.
 * While prompt privatization is on: the ``dp_*`` options of ``vllm_xargs`` are validated (400
   with the option's name) and handed to the renderer for this request; client-side
   ``prompt_embeds`` and ``kv_transfer_params.prompt_token_ids`` (both would bypass the
@@ -23,12 +30,27 @@ import logging
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from ..config import ConfigError
 from ..prompt.session import PromptRequest, bound_request, option_overrides, resolve_options
-from .settings import PLUGIN_NAME, budget_payload, check_prompt_serving, dp_config, prompt_payload
+from .settings import (
+    PLUGIN_NAME,
+    ModelShape,
+    budget_payload,
+    check_prompt_serving,
+    dp_config,
+    private_context,
+    prompt_payload,
+)
+from .verify import LAYER_REPORT, check_layers
 
 logger = logging.getLogger("vllm.dp_privacy")  # inherits vLLM's log handler
 
-ALLOWED_POST = ("/v1/completions", "/v1/chat/completions", "/detokenize")
+# POST routes each DP feature can serve (``/invocations`` is SageMaker's alias of chat and
+# completions for a generate model, ``/ping`` its health check). Every other POST route gets 403.
+HARMLESS_POST = ("/detokenize", "/ping")
+CONTEXT_POST = ("/v1/completions", "/v1/chat/completions", "/invocations", *HARMLESS_POST)
+PROMPT_POST = (*CONTEXT_POST, "/v1/chat/completions/batch", "/v1/responses", "/v1/messages")
+ENCODER_POST = ("/v1/audio/transcriptions", "/v1/audio/translations", *HARMLESS_POST)
 # field -> why it is refused (a value counts as set unless it is None or False: 0 is set, since
 # prompt_logprobs=0 still returns the logprob of every prompt token)
 FORBIDDEN_FIELDS = {
@@ -36,18 +58,30 @@ FORBIDDEN_FIELDS = {
     "prompt_logprobs": "prompt_logprobs are computed at private positions",
     "return_token_ids": "return_token_ids returns the prompt's token ids, private context included",
     "prompt_embeds": "prompt embeddings cannot be placed after the private context",
+    "kv_transfer_params": "KV transfer would export or import the private context's cache rows",
+    "cache_salt": "a cache salt makes the engine recompute the whole private context",
 }
 
 
-def forbidden_request(path: str, body: dict) -> tuple[int, str] | None:
-    """(status, message) if a request must be refused while a private context is served."""
-    if path not in ALLOWED_POST:
-        return 403, f"{path} is not available while a private context is served"
+def allowed_post(features: frozenset[str]) -> frozenset[str]:
+    """The POST routes open while ``features`` (of "context", "prompt", "encoder") are on: those
+    every feature on can serve."""
+    routes = {"context": CONTEXT_POST, "prompt": PROMPT_POST, "encoder": ENCODER_POST}
+    return frozenset.intersection(*(frozenset(routes[f]) for f in features))
+
+
+def forbidden_request(path: str, body: dict, allowed: frozenset[str], context: bool) -> tuple[int, str] | None:
+    """(status, message) if a request must be refused: a POST route not in ``allowed``, or, with
+    a private ``context``, a field that would reveal, recompute or export private positions."""
+    if path not in allowed:
+        return 403, f"{path} is not available while differential privacy is on"
+    if not context:
+        return None
     extra = body.get("vllm_xargs") if isinstance(body.get("vllm_xargs"), dict) else {}
     for field, why in FORBIDDEN_FIELDS.items():
         if any(_is_set(part.get(field)) for part in (body, extra)):
             return 400, f"`{field}` is not allowed: {why}"
-    return forwarded_ids(body)
+    return None
 
 
 RECEIPT_HEADER = "x-dp-prompt-receipts"
@@ -92,9 +126,10 @@ def _error(status: int, message: str) -> JSONResponse:
 
 
 class PrivateContextGuard:
-    """ASGI middleware: refuses leaking requests once ``app.state.dp_guard`` is on (private
-    context); with ``app.state.dp_prompt`` (prompt privatization) validates the request's prompt
-    options, makes them current for the renderer and adds the receipts to the response."""
+    """ASGI middleware: refuses POST routes outside ``app.state.dp_routes`` (any DP feature on)
+    and leaking requests while ``app.state.dp_guard`` is on (private context); with
+    ``app.state.dp_prompt`` (prompt privatization) validates the request's prompt options, makes
+    them current for the renderer and adds the receipts to the response."""
 
     def __init__(self, app):
         self.app = app
@@ -103,8 +138,9 @@ class PrivateContextGuard:
         if scope["type"] != "http" or scope["method"] != "POST":
             return await self.app(scope, receive, send)
         state = scope["app"].state
+        routes = getattr(state, "dp_routes", None)
         guard, prompt_cfg = getattr(state, "dp_guard", False), getattr(state, "dp_prompt", None)
-        if not guard and prompt_cfg is None:
+        if routes is None:
             return await self.app(scope, receive, send)
         chunks, more = [], True
         while more:
@@ -117,7 +153,7 @@ class PrivateContextGuard:
         except ValueError:
             parsed = {}
         parsed = parsed if isinstance(parsed, dict) else {}
-        refusal = forbidden_request(scope["path"], parsed) if guard else None
+        refusal = forbidden_request(scope["path"], parsed, routes, guard)
         if refusal is None and prompt_cfg is not None:
             refusal = prompt_refusal(parsed, prompt_cfg)
         if refusal is not None:
@@ -126,7 +162,7 @@ class PrivateContextGuard:
         if prompt_cfg is None:
             return await self.app(scope, _replay(body, receive), send)
         xargs = parsed.get("vllm_xargs") if isinstance(parsed.get("vllm_xargs"), dict) else {}
-        with bound_request(PromptRequest(option_overrides(xargs))) as request:
+        with bound_request(PromptRequest.from_http(option_overrides(xargs), scope.get("headers", []))) as request:
             return await self.app(scope, _replay(body, receive), _with_receipts(send, request))
 
 
@@ -201,25 +237,74 @@ async def dp_budget(request: Request) -> JSONResponse:
 
 
 class DPPrivacyEndpoints:
-    """The endpoint plugin object vLLM instantiates (name = the VLLM_PLUGINS allowlist name)."""
+    """The endpoint plugin object vLLM instantiates (name = the VLLM_PLUGINS allowlist name).
+    Loaded for every task (``required_tasks = None``): a pooling server must get the guard too."""
 
     name = PLUGIN_NAME
-    required_tasks = ("generate",)
+    required_tasks = None
 
     def attach_router(self, app: FastAPI) -> None:
         app.include_router(router)
         app.add_middleware(PrivateContextGuard)
 
     async def init_state(self, engine_client, state, args) -> None:
-        if engine_client is None:
-            state.dp_budget, state.dp_guard, state.dp_prompt = {"enabled": False}, False, None
+        state.dp_budget, state.dp_guard, state.dp_prompt, state.dp_routes = {"enabled": False}, False, None, None
+        if engine_client is None:  # the CPU-only render server: no engine, nothing private
             return
         vllm_config = engine_client.vllm_config
         cfg = dp_config(vllm_config)
+        features = dp_features(vllm_config, cfg)
+        if not features:
+            return
         check_prompt_serving(vllm_config, cfg)
+        check_request_logging(args)
+        if cfg.attention is not None:
+            await verify_engine(engine_client, vllm_config)
         state.dp_budget = budget_payload(vllm_config)
         if cfg.prompt is not None:
             state.dp_budget["prompt"] = prompt_payload(cfg.prompt)
-        state.dp_guard = cfg.attention is not None and cfg.attention.private_context is not None
+        state.dp_guard = "context" in features
         state.dp_prompt = cfg.prompt
+        state.dp_routes = allowed_post(features)
         logger.info("vllm-dp: privacy budget %s", json.dumps(state.dp_budget))
+
+
+def dp_features(vllm_config, cfg) -> frozenset[str]:
+    """Which DP features this server runs: "context" (a private context), "encoder" (DP
+    cross-attention over each request's encoder output), "prompt" (prompt privatization)."""
+    features = set()
+    if cfg.attention is not None:
+        enc_dec = bool(getattr(vllm_config.model_config, "is_encoder_decoder", False))
+        features.add("encoder" if enc_dec else "context")
+    if cfg.prompt is not None:
+        features.add("prompt")
+    return frozenset(features)
+
+
+def check_request_logging(args) -> None:
+    """Refuse ``--enable-log-requests`` at DEBUG level: vLLM then logs every prompt's ids (the
+    private context's included) and the raw request body (the user's unprivatized text)."""
+    if getattr(args, "enable_log_requests", False) and logging.getLogger("vllm").isEnabledFor(logging.DEBUG):
+        raise ConfigError(
+            "dp_privacy: --enable-log-requests at DEBUG log level logs prompt token ids and request "
+            "bodies; drop the flag or raise VLLM_LOGGING_LEVEL to INFO"
+        )
+
+
+async def verify_engine(engine_client, vllm_config) -> None:
+    """Ask every worker for its layers and refuse to serve unless the DP path covers them."""
+    shape = ModelShape.of(vllm_config)
+    try:
+        reports = await engine_client.collective_rpc(LAYER_REPORT)
+    except NotImplementedError:
+        raise ConfigError(
+            "dp_privacy: the engine's workers do not answer the DP layer check (the vllm-dp general "
+            "plugin is not loaded in them): refusing to serve"
+        ) from None
+    if shape.is_encoder_decoder:
+        layers, label = shape.cross_layers, None
+    else:
+        layers, label = shape.self_layers, private_context(vllm_config).identity.label
+    check_layers(reports, layers=layers, label=label, scale=shape.scale)
+    logger.info("vllm-dp: verified: all %d attention layers that see private rows run the DP path on %d "
+                "worker(s)", layers, len(reports))

@@ -42,8 +42,9 @@ def resolved_config(path: str | Path) -> dict:
     raw = yaml.safe_load(Path(path).read_text())
     raw = raw.get(CONFIG_KEY, raw) if isinstance(raw, dict) else raw
     base = Path(path).resolve().parent
-    if cfg.key_file is not None:
-        raw["key_file"] = str(base / cfg.key_file)
+    for name in ("key_file", "ledger_file"):
+        if raw.get(name) is not None:
+            raw[name] = str(base / raw[name])
     att = raw.get("attention") or {}
     for name in ("private_context", "calibration"):
         if att.get(name) is not None:
@@ -51,11 +52,84 @@ def resolved_config(path: str | Path) -> dict:
     return raw
 
 
+# ``vllm serve`` options a private context may be served with: serving, model loading, memory,
+# scheduling and parallelism. Anything else (speculative decoding, LoRA, KV events/transfer,
+# pooling runners, custom workers/schedulers/middleware, ``--config`` files, and every option a
+# later vLLM adds) is refused until someone checks that it neither reads nor publishes private
+# positions. The engine re-checks its resolved configuration (``settings.check_engine_options``).
+CONTEXT_SERVE_OPTIONS = frozenset("""
+    host port uds api-key allowed-origins allowed-methods allowed-headers allow-credentials
+    ssl-keyfile ssl-certfile ssl-ca-certs ssl-cert-reqs ssl-ciphers enable-ssl-refresh root-path
+    served-model-name disable-fastapi-docs enable-offline-docs uvicorn-log-level
+    disable-uvicorn-access-log disable-access-log-for-endpoints disable-log-stats max-log-len
+    enable-log-outputs enable-log-deltas enable-request-id-headers enable-server-load-tracking
+    enable-force-include-usage api-server-count h11-max-header-count h11-max-incomplete-event-size
+    sse-keep-alive-interval stream-interval shutdown-timeout return-tokens-as-token-ids
+    chat-template chat-template-content-format default-chat-template-kwargs response-role
+    enable-auto-tool-choice tool-call-parser reasoning-parser
+    model tokenizer tokenizer-mode trust-remote-code revision code-revision tokenizer-revision
+    dtype seed max-model-len download-dir load-format quantization generation-config
+    override-generation-config hf-config-path config-format hf-token max-logprobs logprobs-mode
+    use-tqdm-on-load ignore-patterns max-parallel-loading-workers
+    block-size gpu-memory-utilization kv-cache-memory-bytes kv-cache-dtype enable-prefix-caching
+    num-gpu-blocks-override max-num-seqs max-num-batched-tokens enable-chunked-prefill
+    long-prefill-token-threshold async-scheduling scheduling-policy enforce-eager
+    optimization-level performance-mode cudagraph-capture-sizes max-cudagraph-capture-size
+    disable-cascade-attn disable-custom-all-reduce
+    tensor-parallel-size pipeline-parallel-size distributed-executor-backend
+    distributed-timeout-seconds master-addr master-port attention-backend
+""".split())
+SHORT_OPTIONS = {"-tp": "tensor-parallel-size", "-pp": "pipeline-parallel-size"}
+DP_BACKEND = "CUSTOM"  # the DP attention backend on CUDA (registered by the general plugin)
+
+
+def option_names(argv: list[str]) -> list[str]:
+    """The option names in ``argv`` (``--x=1`` and ``--no-x`` give ``x``; short aliases expanded)."""
+    names = []
+    for arg in argv:
+        if arg in SHORT_OPTIONS:
+            names.append(SHORT_OPTIONS[arg])
+        elif arg.startswith("--"):
+            name = arg[2:].split("=", 1)[0]
+            names.append(name[3:] if name.startswith("no-") else name)
+        elif arg.startswith("-") and len(arg) > 1 and not arg[1].isdigit():
+            names.append(arg)
+    return names
+
+
+def check_context_options(argv: list[str]) -> None:
+    """Refuse ``vllm serve`` options outside ``CONTEXT_SERVE_OPTIONS`` (a private context)."""
+    refused = [name for name in option_names(argv) if name not in CONTEXT_SERVE_OPTIONS]
+    if refused:
+        raise ConfigError(
+            f"option(s) {', '.join(n if n.startswith('-') else '--' + n for n in refused)} cannot be used while a private "
+            "context is served: only options known to keep private positions private are allowed "
+            "(vllm_dp_plugin.serving.launch.CONTEXT_SERVE_OPTIONS; SECURITY.md)"
+        )
+
+
+def attention_backend(argv: list[str], on_cuda: bool) -> list[str]:
+    """``--attention-backend CUSTOM`` on CUDA (vLLM would pick its own backend otherwise and the
+    DP path would not run); any other backend is refused. CPU ignores the flag."""
+    given = [a.split("=", 1)[1] for a in argv if a.startswith("--attention-backend=")]
+    given += [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--attention-backend"]
+    if on_cuda and any(b != DP_BACKEND for b in given):
+        raise ConfigError(f"--attention-backend must be {DP_BACKEND} (the DP backend) with DP attention, got {given}")
+    return ["--attention-backend", DP_BACKEND] if on_cuda and not given else []
+
+
+def _on_cuda() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cuda()
+
+
 def serve_arguments(argv: list[str], dp_config: str | None) -> list[str]:
     """``vllm serve`` arguments: ``argv`` plus, for ``dp_config``, ``--additional-config``,
-    ``--tokenizer-mode dp_private`` (private context or prompt privatization) and
-    ``--enable-prompt-embeds`` (prompt privatization in embeddings mode). Refuses conflicting
-    flags."""
+    ``--tokenizer-mode dp_private`` (private context or prompt privatization),
+    ``--enable-prompt-embeds`` (prompt privatization in embeddings mode) and, on CUDA with DP
+    attention, ``--attention-backend CUSTOM``. Refuses conflicting flags and, with a private
+    context, options outside ``CONTEXT_SERVE_OPTIONS``."""
     allow_plugin()
     if dp_config is None:
         return argv
@@ -64,6 +138,10 @@ def serve_arguments(argv: list[str], dp_config: str | None) -> list[str]:
     raw = resolved_config(dp_config)
     flags = ["--additional-config", json.dumps({CONFIG_KEY: raw})]
     att, prompt = raw.get("attention") or {}, raw.get("prompt")
+    if att.get("private_context") is not None:
+        check_context_options(argv)
+    if raw.get("attention") is not None:
+        flags += attention_backend(argv, _on_cuda())
     needs = [why for why, on in (("a private context", att.get("private_context") is not None),
                                  ("prompt privatization", prompt is not None)) if on]
     if needs:

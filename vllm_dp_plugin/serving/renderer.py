@@ -75,8 +75,8 @@ class DPRenderer(HfRenderer):
             self._context = private_context(config)
             require_http_guard("a private context is configured")
             logger.info(
-                "vllm-dp: private context %s... (%d tokens) is prepended to every request",
-                self._context.context_id[:12],
+                "vllm-dp: private context %s (%d tokens) is prepended to every request",
+                self._context.identity.label,
                 self._context.length,
             )
         self._prompt = None

@@ -7,13 +7,17 @@ what the model contributes (its attention shape, the private context's tokens).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import os
 from dataclasses import dataclass
 
 from ..attention.plan import ContextPlan
 from ..config import CONFIG_KEY, ConfigError, DPPrivacyConfig
-from .context import PrivateContext, load_private_context
+from ..privacy.keyed_noise import NoiseKey
+from ..privacy.release_ledger import ReleaseLedger
+from .context import ContextIdentity, PrivateContext, context_tokens, file_digest, weights_digest
 
 TOKENIZER_MODE = "dp_private"
 PLUGIN_NAME = "dp_privacy"  # entry-point name in every vLLM plugin group we use
@@ -39,6 +43,7 @@ class ModelShape:
     total_kv_heads: int
     total_query_heads: int
     head_dim: int
+    scale: float
     is_encoder_decoder: bool
 
     @staticmethod
@@ -47,12 +52,16 @@ class ModelShape:
         tp = parallel.tensor_parallel_size
         enc_dec = bool(getattr(model_config, "is_encoder_decoder", False))
         layers = model_config.get_total_num_hidden_layers()
+        head_dim = model_config.get_head_size()
+        # the softmax scale: a query pre-attention scalar (Gemma) replaces the head size
+        scalar = getattr(model_config.hf_text_config, "query_pre_attn_scalar", None) or head_dim
         return ModelShape(
             self_layers=layers,
             cross_layers=layers if enc_dec else 0,
             total_kv_heads=model_config.get_total_num_kv_heads(),
             total_query_heads=model_config.get_num_attention_heads(parallel) * tp,
-            head_dim=model_config.get_head_size(),
+            head_dim=head_dim,
+            scale=float(scalar) ** -0.5,
             is_encoder_decoder=enc_dec,
         )
 
@@ -100,25 +109,116 @@ def check_serving(vllm_config, cfg: DPPrivacyConfig) -> None:
             )
         if getattr(model_config, "enable_prompt_embeds", False):
             raise ConfigError("attention.private_context cannot be combined with --enable-prompt-embeds")
+        check_engine_options(vllm_config)
+
+
+# Optional ``VllmConfig`` sections a private context may be served with. Every other optional
+# section must stay unset: speculative decoding (n-gram/suffix lookup reads [0, P); its bursts and
+# metrics publish the matches), KV events (block events carry the context's ids), KV and encoder
+# cache transfer, weight transfer, LoRA (adapters change K/V after the release), and whatever
+# section a later vLLM adds, until someone checks that it neither reads nor publishes private
+# positions. An allowlist: new features are refused by default.
+ALLOWED_OPTIONAL_SECTIONS = ("model_config", "quant_config", "reasoning_config")
+
+
+def check_engine_options(vllm_config) -> None:
+    """Refuse engine features that read or publish private positions (private context served)."""
+    for field in dataclasses.fields(type(vllm_config)):
+        if field.default is not None or field.name in ALLOWED_OPTIONAL_SECTIONS:
+            continue
+        section = getattr(vllm_config, field.name, None)
+        if field.name == "kv_events_config" and section is not None and not section.enable_kv_cache_events:
+            continue
+        if section is not None:
+            raise ConfigError(
+                f"attention.private_context: the engine option `{field.name}` is set, and it is not "
+                f"on the allowlist of features that keep private positions private "
+                f"({', '.join(ALLOWED_OPTIONAL_SECTIONS[1:])}); serve without it"
+            )
+    if getattr(getattr(vllm_config, "aux_output_config", None), "enabled", False):
+        raise ConfigError(
+            "attention.private_context: returning routed experts (--enable-return-routed-experts) "
+            "publishes per-token routing of private positions"
+        )
+    runner = getattr(vllm_config.model_config, "runner_type", "generate")
+    if runner != "generate":
+        raise ConfigError(
+            f"attention.private_context needs the generate runner, got --runner {runner}: pooling "
+            "returns hidden states at private positions"
+        )
+
+
+def noise_key(vllm_config) -> NoiseKey:
+    return NoiseKey(dp_config(vllm_config).key_file)
+
+
+def release_ledger(vllm_config) -> ReleaseLedger:
+    cfg = dp_config(vllm_config)
+    return ReleaseLedger(NoiseKey(cfg.key_file), cfg.ledger_file)
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What besides the token ids the exact K/V state of a private context depends on."""
+
+    model: str
+    revision: str | None
+    tokenizer: str
+    max_model_len: int
+    dtype: str
+    kv_cache_dtype: str
+    device: str
+
+    @staticmethod
+    def of(vllm_config) -> ServedModel:
+        model_config = vllm_config.model_config
+        return ServedModel(
+            model_config.model, getattr(model_config, "revision", None), model_config.tokenizer,
+            model_config.max_model_len, str(model_config.dtype), str(vllm_config.cache_config.cache_dtype),
+            str(vllm_config.device_config.device_type),
+        )
+
+
+def release_inputs(cfg: DPPrivacyConfig, served: ServedModel) -> dict:
+    """Everything besides the token ids that the exact K/V state and its release depend on
+    (``ContextIdentity.release``): weights, dtypes, device type, the resolved release parameters
+    (the calibration's contents, not its path; no file names)."""
+    attention = dataclasses.asdict(cfg.attention)
+    for name in ("private_context", "allow_rerelease"):  # the ids stand for the file; no effect
+        attention.pop(name)
+    if attention["calibration"] is not None:
+        attention["calibration"] = file_digest(attention["calibration"])
+    return {
+        "weights": weights_digest(served.model, served.revision),
+        "dtype": served.dtype,
+        "kv_cache_dtype": served.kv_cache_dtype,
+        "device": served.device,
+        "attention": attention,
+    }
 
 
 def private_context(vllm_config) -> PrivateContext:
-    """The decoder-only private context of this deployment (tokenized, cached per process)."""
-    cfg = dp_config(vllm_config)
-    model_config = vllm_config.model_config
-    context = load_private_context(
-        cfg.attention.private_context, model_config.tokenizer, model_config.model, raw_config_json(vllm_config)
-    )
-    if context.length >= model_config.max_model_len:
+    """The decoder-only private context of this deployment: its ids and identity (cached per
+    process and configuration)."""
+    return _private_context(raw_config_json(vllm_config), ServedModel.of(vllm_config))
+
+
+@functools.lru_cache(maxsize=4)
+def _private_context(raw_json: str, served: ServedModel) -> PrivateContext:
+    cfg = DPPrivacyConfig.from_dict(json.loads(raw_json))
+    ids, bos = context_tokens(cfg.attention.private_context, served.tokenizer)
+    if len(ids) >= served.max_model_len:
         raise ConfigError(
-            f"attention.private_context has {context.length} tokens but max_model_len is "
-            f"{model_config.max_model_len}: no room for the public prompt"
+            f"attention.private_context has {len(ids)} tokens but max_model_len is "
+            f"{served.max_model_len}: no room for the public prompt"
         )
-    return context
+    identity = ContextIdentity.of(ids, release_inputs(cfg, served), NoiseKey(cfg.key_file))
+    return PrivateContext(ids, identity, bos)
 
 
-def context_plan(vllm_config, kind: str, context_len: int) -> ContextPlan:
-    """The public plan of one private context of ``context_len`` rows for ``kind`` layers."""
+def context_plan(vllm_config, kind: str, context_len: int, scale: float | None = None) -> ContextPlan:
+    """The public plan of one private context of ``context_len`` rows for ``kind`` layers;
+    ``scale``: the served layer's softmax scale (default: the model's, ``ModelShape.scale``)."""
     cfg = dp_config(vllm_config).attention
     shape = ModelShape.of(vllm_config)
     layers = shape.cross_layers if kind == "cross_attention" else shape.self_layers
@@ -129,9 +229,24 @@ def context_plan(vllm_config, kind: str, context_len: int) -> ContextPlan:
         shape.total_kv_heads,
         shape.total_query_heads,
         shape.head_dim,
-        shape.head_dim**-0.5,
+        shape.scale if scale is None else scale,
         context_len,
     )
+
+
+def register_release(vllm_config) -> None:
+    """Record this deployment's release of its private context in the release ledger (workers,
+    at start-up); refuses a second release under other noise unless ``allow_rerelease``."""
+    context = private_context(vllm_config)
+    plan = context_plan(vllm_config, "self_attention", context.length)
+    spent = plan.account().spent(plan.layers)
+    try:
+        release_ledger(vllm_config).register(
+            context.identity.subject, context.identity.release, spent, plan.report()["unit"],
+            allow_rerelease=dp_config(vllm_config).attention.allow_rerelease,
+        )
+    except RuntimeError as exc:
+        raise ConfigError(f"attention.private_context: {exc}") from None
 
 
 def budget_payload(vllm_config) -> dict:
@@ -147,7 +262,8 @@ def budget_payload(vllm_config) -> dict:
     else:
         context = private_context(vllm_config)
         report = context_plan(vllm_config, "self_attention", context.length).report()
-        report["context"] = f"private_context {context.context_id[:12]}"
+        report["context"] = f"private_context {context.identity.label}"
+        report["ledger"] = release_ledger(vllm_config).history(context.identity.subject).to_json()
     return {"enabled": True, "contexts": [report]}
 
 
