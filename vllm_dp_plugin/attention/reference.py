@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import functools
 import math
-import secrets
 from collections.abc import Sequence
 from typing import Literal
 
 import torch
 
+from ..privacy.keyed_noise import fresh_generator
 from ..privacy.mechanisms import Mechanism, truncated_laplace_mechanism
 from ..privacy.validation import check_delta, check_epsilon, check_positive
 from .budget import TreeBudget, TreeParams
@@ -56,10 +56,8 @@ def _node_mechanism(sensitivity: float, epsilon: float, delta: float) -> Mechani
 
 
 def _generator(generator: torch.Generator | None) -> torch.Generator:
-    """The caller's generator, or a fresh CPU one seeded from the OS (never logged)."""
-    if generator is not None:
-        return generator
-    return torch.Generator().manual_seed(secrets.randbits(63))
+    """The caller's generator, or a fresh CPU one seeded from 256 bits of OS entropy."""
+    return generator if generator is not None else fresh_generator()
 
 
 def _levels(leaves: int) -> int:

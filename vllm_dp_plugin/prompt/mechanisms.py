@@ -22,14 +22,22 @@ noise for every token (never one vector shared across tokens), and are built by
 
 The additive mechanisms release ``x_w + noise``, which the privatizer projects onto the nearest
 candidate (post-processing); ``expmech`` samples a candidate directly.
+
+What does not depend on epsilon (the Mahalanobis square root of the covariance and its metric
+diameter, the candidates' rows of ``expmech``) is computed once per table and shared by every
+mechanism built for it (``table_constant``): a request picking a new epsilon costs no
+eigendecomposition and no O(V^2 d) diameter.
 """
 
 from __future__ import annotations
 
 import math
+import threading
+import weakref
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cached_property
+from typing import Any
 
 import torch
 from dp_accounting import dp_event
@@ -160,10 +168,10 @@ class ExponentialMechanism(TokenMechanism):
     epsilon: float
     diameter: float
 
-    @cached_property
+    @property
     def candidate_rows(self) -> torch.Tensor:
-        """Clipped rows of the candidates ``[K, d]`` float64."""
-        return self.table.clipped[self.table.candidates]
+        """Clipped rows of the candidates ``[K, d]`` float64 (one copy per table)."""
+        return table_constant(self.table, "candidate_rows", lambda: self.table.clipped[self.table.candidates])
 
     def distances(self, rows: torch.Tensor) -> torch.Tensor:
         """``||x - x_c||_2`` for rows ``[n, d]`` and every candidate: ``[n, K]`` float64."""
@@ -185,6 +193,20 @@ class ExponentialMechanism(TokenMechanism):
             gumbel = -torch.log(-torch.log(uniform)).to(logits.device)
             picks.append((logits + gumbel).argmax(dim=1))
         return torch.cat(picks) if picks else torch.empty(0, dtype=torch.int64, device=rows.device)
+
+
+_TABLE_CONSTANTS: weakref.WeakKeyDictionary[EmbeddingTable, dict[Any, Any]] = weakref.WeakKeyDictionary()
+_TABLE_CONSTANTS_LOCK = threading.Lock()
+
+
+def table_constant(table: EmbeddingTable, key: Any, compute: Callable[[], Any]) -> Any:
+    """``compute()`` once per (``table``, ``key``), kept while the table lives: public quantities
+    of the table that do not depend on epsilon. Concurrent callers wait for the first one."""
+    with _TABLE_CONSTANTS_LOCK:
+        constants = _TABLE_CONSTANTS.setdefault(table, {})
+        if key not in constants:
+            constants[key] = compute()
+        return constants[key]
 
 
 def token_mechanism(
@@ -339,14 +361,26 @@ def regularized_covariance(rows: torch.Tensor, lam: float) -> torch.Tensor:
     return lam * cov * (rows.shape[1] / trace) + (1.0 - lam) * eye
 
 
+def metric_geometry(table: EmbeddingTable, lam: float) -> tuple[torch.Tensor, float]:
+    """(``S = Sigma_lambda^(1/2)`` ``[d, d]`` float64, the diameter ``Delta_2`` of the table in the
+    metric ``||S^-1 (x - x')||_2``): one eigendecomposition and one O(V^2 d) diameter per table
+    and lambda (the Euclidean diameter and ``S = I`` for CMP, lambda = 0)."""
+
+    def compute() -> tuple[torch.Tensor, float]:
+        eigenvalues, eigenvectors = torch.linalg.eigh(regularized_covariance(table.clipped, lam))
+        sqrt_cov = eigenvectors @ torch.diag(eigenvalues.sqrt()) @ eigenvectors.T  # [d, d]
+        if lam == 0.0:
+            return sqrt_cov, table.sensitivity_l2
+        inv_sqrt = eigenvectors @ torch.diag(eigenvalues.rsqrt()) @ eigenvectors.T  # [d, d]
+        return sqrt_cov, l2_diameter(table.clipped @ inv_sqrt)
+
+    return table_constant(table, ("metric_geometry", float(lam)), compute)
+
+
 def _mahalanobis(
     name: str, table: EmbeddingTable, metric_epsilon: float, lam: float
 ) -> MahalanobisMechanism:
-    eigenvalues, eigenvectors = torch.linalg.eigh(regularized_covariance(table.clipped, lam))
-    sqrt_cov = eigenvectors @ torch.diag(eigenvalues.sqrt()) @ eigenvectors.T  # [d, d]
-    inv_sqrt = eigenvectors @ torch.diag(eigenvalues.rsqrt()) @ eigenvectors.T
-    # Delta_2 in the mechanism's metric ||S^-1 (x - x')||_2 (the Euclidean diameter for CMP).
-    diameter = table.sensitivity_l2 if lam == 0.0 else l2_diameter(table.clipped @ inv_sqrt)
+    sqrt_cov, diameter = metric_geometry(table, lam)
     epsilon = metric_epsilon * diameter
     metric = "||x - x'||_2" if lam == 0.0 else f"||Sigma_{lam:g}^(-1/2) (x - x')||_2"
     guarantee = TokenGuarantee.pure(

@@ -11,37 +11,44 @@ The serving adapter (``serving/renderer.py``) and ``vllm-dp privatize`` share th
   its own: template pieces (system prompt, assistant turns, role markers) pass through, user
   segments are private. ``split_rendered`` locates user content in a chat template rendered
   with sentinels; ``splice`` concatenates the pieces and returns the exact private mask.
-* **History cache** (spec 6.2.7). A user segment is privatized once: its privatized ids are
-  stored under a keyed hash (HMAC with the deployment's secret key) of the mechanism, epsilon,
-  delta, mode, the message index and the conversation up to and including that message, so a
-  later turn of the same conversation, or a retried request, reuses them instead of drawing
-  (and spending) again. Bounded LRU.
+* **History cache** (spec 6.2.7). A user segment is privatized once per *namespace*: its
+  privatized ids are stored under the deployment's keyed MAC (``NoiseKey.mac``) of the namespace,
+  the mechanism, epsilon, delta, mode, the segment's own ids and its position (message index and
+  the conversation up to and including that message; for completions the whole prompt and the
+  run's start), so a later turn of the same conversation, or a retried request, reuses them
+  instead of drawing (and spending) again. Bounded LRU. The namespace is the request's
+  ``dp_session`` (a client-chosen secret of at least ``MIN_SESSION_CHARS`` characters) together
+  with its credential (``Authorization`` / ``x-api-key`` header). Without a ``dp_session`` nothing
+  is cached or reused: a shared namespace would be a membership oracle (a client replaying a
+  guessed text would see ``tokens_reused > 0`` and a faster reply), and the server cannot tell
+  whether an API key belongs to one client or is shared by all of them.
 * **Receipts** (spec 6.2.9). ``PromptReceipt`` states the per-token guarantee, how many tokens
   were privatized in this prompt, how many of them were noised now (the budget this request
-  spent) versus reused from the cache, the composition (basic, advanced and the smaller) over
-  both counts, and a hash of the noise seed (never the seed). It contains no text and no ids.
+  spent) versus reused from the cache, and the composition (basic, advanced and the smaller)
+  over both counts. It contains no text, no ids and nothing about the noise seed.
 * ``PromptPrivacy`` puts it together: cached privatizers per (mechanism, epsilon, delta), one
-  fresh ``os.urandom``-seeded generator per request for the tokens not in the cache.
+  generator per request for the tokens not in the cache, its whole mt19937 state drawn from
+  256 bits of OS entropy (``keyed_noise.fresh_generator``; ``manual_seed`` would keep 32 bits).
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-import hashlib
 import json
 import math
 import os
 import threading
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ..privacy.accountant import Budget
+from ..privacy.keyed_noise import fresh_generator, seeded_generator
 from .mechanisms import MECHANISMS, token_mechanism
 from .nearest import FastPass, SelectPass, fast_topk_torch, select_within_bound
 from .privatizer import PrivacyReceipt, TokenPrivatizer, candidate_index
@@ -53,7 +60,9 @@ OPTION_EPSILON = "dp_epsilon"
 OPTION_SESSION = "dp_session"
 OPTIONS = (OPTION_MECHANISM, OPTION_EPSILON, OPTION_SESSION)
 OVERRIDES = (OPTION_MECHANISM, OPTION_EPSILON)  # need allow_request_override
+MIN_SESSION_CHARS = 22  # a secret: 22 characters of secrets.token_urlsafe are 132 bits
 MAX_SESSION_CHARS = 256
+CREDENTIAL_HEADERS = (b"authorization", b"x-api-key")  # what identifies the client, if anything
 PRIVATIZER_CACHE = 8  # (mechanism, epsilon, delta) privatizers kept per process
 
 
@@ -66,14 +75,17 @@ class PromptOptionError(ValueError):
 
 @dataclass(frozen=True)
 class PromptOptions:
-    """What one request is privatized with. ``session``: optional cache namespace (conversations
-    in different sessions never share cached privatized ids)."""
+    """What one request is privatized with. ``session``: the client's secret history-cache
+    namespace (None: nothing is cached or reused); ``credential``: the client's credential
+    (``PromptRequest.credential``), part of the namespace, so two clients that pick the same
+    session never share. Both SECRET: never logged (not in ``repr``)."""
 
     mechanism: str
     epsilon: float
     delta: float
     mode: str = "tokens"
-    session: str | None = None
+    session: str | None = field(default=None, repr=False)
+    credential: bytes = field(default=b"", repr=False)
 
 
 def option_overrides(xargs: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -83,12 +95,15 @@ def option_overrides(xargs: Mapping[str, Any] | None) -> dict[str, Any]:
     return {k: v for k, v in xargs.items() if isinstance(k, str) and k.startswith(OPTION_PREFIX)}
 
 
-def resolve_options(overrides: Mapping[str, Any] | None, cfg) -> PromptOptions:
-    """Validate a request's ``dp_*`` options against ``cfg`` (a ``PromptPrivacyConfig``).
+def resolve_options(overrides: Mapping[str, Any] | None, cfg, credential: bytes = b"") -> PromptOptions:
+    """Validate a request's ``dp_*`` options against ``cfg`` (a ``PromptPrivacyConfig``);
+    ``credential``: the request's (``PromptRequest.credential``).
 
     Unknown ``dp_*`` names, a mechanism outside ``MECHANISMS``, an epsilon that is not a finite
-    number > 0 or exceeds ``max_epsilon``, and mechanism/epsilon overrides on a deployment with
-    ``allow_request_override: false`` raise ``PromptOptionError`` naming the option.
+    number > 0 or exceeds ``max_epsilon``, a session that is not a string of
+    ``MIN_SESSION_CHARS`` to ``MAX_SESSION_CHARS`` characters, and mechanism/epsilon overrides on
+    a deployment with ``allow_request_override: false`` raise ``PromptOptionError`` naming the
+    option.
     """
     overrides = dict(overrides or {})
     unknown = sorted(set(overrides) - set(OPTIONS))
@@ -116,13 +131,14 @@ def resolve_options(overrides: Mapping[str, Any] | None, cfg) -> PromptOptions:
         epsilon = _request_epsilon(epsilon, cfg.max_epsilon)
     session = overrides.get(OPTION_SESSION)
     if session is not None and (
-        not isinstance(session, str) or not session or len(session) > MAX_SESSION_CHARS
+        not isinstance(session, str) or not MIN_SESSION_CHARS <= len(session) <= MAX_SESSION_CHARS
     ):
         raise PromptOptionError(
-            f"vllm_xargs.{OPTION_SESSION} must be a non-empty string of at most "
-            f"{MAX_SESSION_CHARS} characters"
+            f"vllm_xargs.{OPTION_SESSION} must be a secret string of {MIN_SESSION_CHARS} to "
+            f"{MAX_SESSION_CHARS} characters (e.g. secrets.token_urlsafe(16)): it namespaces the "
+            "history cache, and whoever can guess it can test which texts were sent in it"
         )
-    return PromptOptions(mechanism, float(epsilon), float(cfg.delta), cfg.mode, session)
+    return PromptOptions(mechanism, float(epsilon), float(cfg.delta), cfg.mode, session, bytes(credential))
 
 
 def _request_epsilon(value: Any, max_epsilon: float | None) -> float:
@@ -146,14 +162,27 @@ def _request_epsilon(value: Any, max_epsilon: float | None) -> float:
 
 @dataclass
 class PromptRequest:
-    """One request's ``dp_*`` options (unvalidated) and the receipts of its prompts, in order.
+    """One request's ``dp_*`` options (unvalidated), its client's ``credential`` (part of the
+    history-cache namespace; SECRET, not in ``repr``) and the receipts of its prompts, in order.
 
-    The HTTP layer creates one per request; ``LLM`` users use ``prompt_request``. The renderer
-    reads it through ``current_request`` (a context variable: copied into the request's tasks).
+    The HTTP layer creates one per request (``from_http``); ``LLM`` users use ``prompt_request``.
+    The renderer reads it through ``current_request`` (a context variable: copied into the
+    request's tasks).
     """
 
     overrides: dict[str, Any] = field(default_factory=dict)
     receipts: list[dict | None] = field(default_factory=list)
+    credential: bytes = field(default=b"", repr=False)
+
+    @classmethod
+    def from_http(cls, overrides: dict[str, Any], headers: Iterable[tuple[bytes, bytes]]) -> PromptRequest:
+        """The request of an HTTP call with ASGI ``headers``: its credential is the values of the
+        ``CREDENTIAL_HEADERS`` (empty when absent), length-prefixed, in that order."""
+        found = dict.fromkeys(CREDENTIAL_HEADERS, b"")
+        for name, value in headers:
+            if name.lower() in found:
+                found[name.lower()] = bytes(value)
+        return cls(overrides, credential=b"".join(len(v).to_bytes(4, "big") + v for v in found.values()))
 
     def reserve(self) -> int:
         """A slot for the receipt of the next prompt (keeps prompt order under concurrency)."""
@@ -455,36 +484,41 @@ def canonical(value: Any) -> Any:
 
 
 class HistoryCache:
-    """LRU of privatized segments keyed by a keyed hash (``keyed_hash``: bytes -> bytes, an HMAC
-    with the deployment's secret key) of a canonical description of the input and the options.
+    """LRU of privatized segments keyed by ``mac`` (``NoiseKey.mac``: an HMAC with the
+    deployment's secret key) of the request's namespace (session and credential), its options,
+    a canonical description of the segment's position and the segment's own ids.
 
-    Keys never hold text (only HMAC outputs); values are privatized ids (or noisy embeddings),
+    Keys never hold text (only MAC outputs); values are privatized ids (or noisy embeddings),
     which are releases. Thread-safe.
     """
 
-    def __init__(self, capacity: int, keyed_hash: Callable[[bytes], bytes]):
+    def __init__(self, capacity: int, mac: Callable[..., bytes]):
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.capacity = capacity
-        self._hash = keyed_hash
+        self._mac = mac
         self._items: OrderedDict[bytes, Any] = OrderedDict()
         self._lock = threading.Lock()
 
-    def key(self, options: PromptOptions, material: Any) -> bytes:
+    def key(self, options: PromptOptions, material: Any, ids: Sequence[int]) -> bytes:
+        """The key of a segment with ``ids`` at ``material`` (``Segment.cache_key``) privatized
+        under ``options``, whose ``session`` must be set (no session, no cache)."""
+        if options.session is None:
+            raise ValueError("the history cache is used only within a dp_session")
         payload = json.dumps(
             {
-                "v": 1,
+                "v": 2,
                 "mode": options.mode,
                 "mechanism": options.mechanism,
                 "epsilon": options.epsilon,
                 "delta": options.delta,
-                "session": options.session,
                 "input": canonical(material),
+                "ids": [int(t) for t in ids],
             },
             sort_keys=True,
             separators=(",", ":"),
         ).encode("utf-8")
-        return self._hash(payload)
+        return self._mac("prompt-history", options.credential, options.session, payload)
 
     def get(self, key: bytes) -> Any:
         with self._lock:
@@ -543,7 +577,6 @@ class PromptReceipt:
     tokens_reused: int
     prompt: PrivacyReceipt
     spent: PrivacyReceipt
-    seed_hash: str | None
 
     def to_json(self) -> dict:
         """Strict-JSON dict (no text, no token ids): what responses and logs carry."""
@@ -558,7 +591,6 @@ class PromptReceipt:
             "tokens_reused": self.tokens_reused,
             "prompt_total": _composition(self.prompt),
             "spent": _composition(self.spent),
-            "seed_hash": self.seed_hash,
             "statement": self.statement,
         }
 
@@ -583,7 +615,8 @@ class PromptPrivacy:
     """Privatizes the private segments of prompts over one ``EmbeddingTable``.
 
     ``cfg``: the ``PromptPrivacyConfig`` (topk, fast_dtype, effective_dim, delta, mode).
-    ``cache``: the history cache (None: every request is noised afresh).
+    ``cache``: the history cache, used by requests with a session (None: every request is
+    noised afresh).
     ``placeholder_id``: the id put at private positions in embeddings mode.
     ``device``: where the nearest-candidate search runs (the index is copied there; noise is
     drawn on CPU in float64 either way). ``fast_pass``/``select``: that search's passes
@@ -614,8 +647,8 @@ class PromptPrivacy:
         self._index = candidate_index(table, fast_dtype).to(self.device)  # one copy, shared by every privatizer
         self._lock = threading.Lock()
 
-    def options(self, overrides: Mapping[str, Any] | None = None) -> PromptOptions:
-        return resolve_options(overrides, self.cfg)
+    def options(self, overrides: Mapping[str, Any] | None = None, credential: bytes = b"") -> PromptOptions:
+        return resolve_options(overrides, self.cfg, credential)
 
     def privatizer(self, options: PromptOptions) -> TokenPrivatizer:
         """The calibrated privatizer of (mechanism, epsilon, delta), built once and cached (LRU)."""
@@ -646,15 +679,18 @@ class PromptPrivacy:
         segments: Sequence[Segment],
         options: PromptOptions,
         *,
-        seed: int | None = None,
+        seed: bytes | None = None,
     ) -> PrivatizedPrompt:
-        """Privatize every private segment (cached ones are reused); pass the others through.
+        """Privatize every private segment (within a session, cached ones are reused); pass the
+        others through.
 
-        ``seed``: the noise seed for the segments not in the cache (default: 64 fresh bits from
-        ``os.urandom``; only its SHA-256 prefix is recorded).
+        ``seed``: >= 16 bytes seeding the noise of the segments not in the cache, for tests and
+        reproducibility only (whoever knows it can re-derive the noise); default: a generator
+        whose whole state comes from fresh OS entropy (``fresh_generator``).
         """
         privatizer = self.privatizer(options)
         embeddings = options.mode == "embeddings"
+        cache = self.cache if options.session is not None else None
         outputs: list[Any] = [None] * len(segments)
         fresh: list[int] = []
         keys: dict[int, bytes] = {}
@@ -662,19 +698,16 @@ class PromptPrivacy:
         for i, segment in enumerate(segments):
             if not segment.private or not segment.ids:
                 continue
-            if self.cache is not None and segment.cache_key is not None:
-                keys[i] = self.cache.key(options, segment.cache_key)
-                cached = self.cache.get(keys[i])
+            if cache is not None and segment.cache_key is not None:
+                keys[i] = cache.key(options, segment.cache_key, segment.ids)
+                cached = cache.get(keys[i])
                 if cached is not None:
                     outputs[i] = cached
                     reused += len(segment.ids)
                     continue
             fresh.append(i)
-        seed_hash = None
         if fresh:
-            seed = int.from_bytes(os.urandom(8), "big") if seed is None else seed
-            seed_hash = hashlib.sha256(seed.to_bytes(8, "big")).hexdigest()[:16]
-            generator = torch.Generator().manual_seed(seed)
+            generator = fresh_generator() if seed is None else seeded_generator(seed)
             ids = torch.tensor([t for i in fresh for t in segments[i].ids], dtype=torch.int64)
             everything = torch.ones_like(ids, dtype=torch.bool)
             if embeddings:
@@ -686,29 +719,27 @@ class PromptPrivacy:
             for i, part in zip(fresh, parts, strict=True):
                 outputs[i] = part
                 if i in keys:
-                    self.cache.put(keys[i], part)
+                    cache.put(keys[i], part)
         new = sum(len(segments[i].ids) for i in fresh)
         ids, mask = splice(segments)
-        embeds = None
-        if embeddings:
-            embeds = torch.zeros(len(ids), self.table.dim, dtype=self.embed_dtype)
+        embeds = torch.zeros(len(ids), self.table.dim, dtype=self.embed_dtype) if embeddings else None
         pos = 0
         for segment, output in zip(segments, outputs, strict=True):
             n = len(segment.ids)
             if output is not None:
+                if len(output) != n:  # the raw ids around it would shift into the engine's input
+                    raise RuntimeError(f"a privatized segment of {len(output)} tokens cannot replace {n} tokens")
                 if embeddings:
                     embeds[pos : pos + n] = output
                     ids[pos : pos + n] = [self.placeholder_id] * n
                 else:
                     ids[pos : pos + n] = output
             pos += n
-        receipt = self.receipt(privatizer, options, new, reused, seed_hash)
+        receipt = self.receipt(privatizer, options, new, reused)
         return PrivatizedPrompt(ids, mask, embeds, receipt)
 
     @staticmethod
-    def receipt(
-        privatizer: TokenPrivatizer, options: PromptOptions, new: int, reused: int, seed_hash: str | None
-    ) -> PromptReceipt:
+    def receipt(privatizer: TokenPrivatizer, options: PromptOptions, new: int, reused: int) -> PromptReceipt:
         whole = privatizer.receipt(new + reused)
         return PromptReceipt(
             mode=options.mode,
@@ -722,5 +753,4 @@ class PromptPrivacy:
             tokens_reused=reused,
             prompt=whole,
             spent=privatizer.receipt(new),
-            seed_hash=seed_hash,
         )

@@ -133,19 +133,6 @@ def build_table(embeddings: torch.Tensor, tokenizer_len: int, special_ids, cfg) 
     return table, info
 
 
-def keyed_hash(key_file: str | None):
-    """HMAC-SHA256 with the deployment's secret key (``NoiseKey``), 128 bits, for cache keys."""
-    from ..privacy.keyed_noise import NoiseKey
-
-    key = NoiseKey(key_file)
-
-    def digest(payload: bytes) -> bytes:
-        ident = hashlib.sha256(payload).hexdigest()
-        return b"".join(key.seed(ident, f"prompt-history/{i}").to_bytes(8, "big") for i in (0, 1))
-
-    return digest
-
-
 def build_prompt_privacy(
     model: str,
     tokenizer,
@@ -162,11 +149,12 @@ def build_prompt_privacy(
     where they are available (``kernels``), torch otherwise."""
     from ..kernels.nearest import default_fast_pass
     from ..kernels.nearest_select import default_select
+    from ..privacy.keyed_noise import NoiseKey
 
     device = search_device(cfg.search_device)
     embeddings = load_embedding_matrix(model)
     table, info = build_table(embeddings, len(tokenizer), special_token_ids(tokenizer), cfg)
-    cache = HistoryCache(cfg.cache_size, keyed_hash(key_file)) if cfg.cache_history else None
+    cache = HistoryCache(cfg.cache_size, NoiseKey(key_file).mac) if cfg.cache_history else None
     service = PromptPrivacy(table, cfg, cache, placeholder_id=placeholder_id, embed_dtype=embed_dtype,
                             device=device, fast_pass=default_fast_pass(device), select=default_select(device))
     try:
@@ -204,7 +192,8 @@ def privatize_command(
 ) -> str:
     """``vllm-dp privatize``: the privatized text, the ids that changed and the receipt, for
     ``text`` tokenised by ``model``'s tokenizer (or all-MiniLM-L6-v2's with ``minilm``), every
-    token private. ``seed`` makes the noise reproducible (default: fresh ``os.urandom`` bits)."""
+    token private. ``seed`` makes the noise reproducible, for demonstrations only: whoever knows
+    it re-derives the noise (default: a generator state from fresh OS entropy)."""
     from transformers import AutoTokenizer
 
     from ..config import PromptPrivacyConfig
@@ -225,7 +214,8 @@ def privatize_command(
     tokenizer = AutoTokenizer.from_pretrained(model)
     service, info = build_prompt_privacy(model, tokenizer, cfg, None)
     ids = tokenizer.encode(text, add_special_tokens=False)
-    done = service.privatize([Segment(tuple(ids), True)], service.options(), seed=seed)
+    noise_seed = None if seed is None else hashlib.sha256(b"vllm-dp/privatize-seed|%d" % seed).digest()
+    done = service.privatize([Segment(tuple(ids), True)], service.options(), seed=noise_seed)
     changed = [
         f"  [{i}] {tokenizer.convert_ids_to_tokens(a)!r} ({a}) -> {tokenizer.convert_ids_to_tokens(b)!r} ({b})"
         for i, (a, b) in enumerate(zip(ids, done.ids, strict=True))

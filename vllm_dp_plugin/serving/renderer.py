@@ -159,6 +159,7 @@ class DPRenderer(HfRenderer):
         for rendered in (real, template):
             if "prompt" not in rendered or rendered.get("multi_modal_data"):
                 raise ValueError("prompt privatization supports text-only chats")
+        check_chat_length(real["prompt"], self.model_config.max_model_len, self.tokenizer.max_chars_per_token)
         pieces = split_rendered(template["prompt"], marked.sentinels)
         texts = recover_user_texts(real["prompt"], pieces, marked.texts)
         segments = chat_segments(pieces, texts, marked.cache_keys, self._encode)
@@ -256,8 +257,9 @@ class DPRenderer(HfRenderer):
     def _begin(self):
         """(request, receipt slot, validated options) for the prompt being rendered."""
         request = current_request()
-        options = self._prompt.options(request.overrides if request is not None else None)
-        return request, (request.reserve() if request is not None else None), options
+        if request is None:
+            return None, None, self._prompt.options()
+        return request, request.reserve(), self._prompt.options(request.overrides, request.credential)
 
     def _engine_prompt(self, done: PrivatizedPrompt) -> dict:
         if done.embeds is None:
@@ -322,6 +324,22 @@ def full_and_plain(
     if limit is not None and len(full) >= limit:  # maybe truncated: the whole text again
         full = list(tokenizer(text, add_special_tokens=add)["input_ids"])
     return full, (tokenizer.encode(text, add_special_tokens=False) if add and adds_specials else full)
+
+
+def check_chat_length(text: str, max_model_len: int, max_chars_per_token: int) -> None:
+    """Refuse a rendered chat ``text`` longer than ``max_model_len * max_chars_per_token``
+    characters (vLLM's own bound for a text of ``max_model_len`` tokens; both public) BEFORE it is
+    tokenised and privatized: vLLM checks a chat's length only after rendering, which is where
+    the privatization runs, so an over-long chat would otherwise cost noise and a nearest-candidate
+    search per token before vLLM refuses it (or truncates it: with prompt privatization on,
+    ``truncate_prompt_tokens`` does not rescue such a chat)."""
+    limit = max_model_len * max_chars_per_token
+    if len(text) > limit:
+        raise ValueError(
+            f"This model's maximum context length (max_model_len) is {max_model_len} tokens, but "
+            f"the rendered chat has {len(text)} characters, more than {limit} (the bound for "
+            f"{max_model_len} tokens): shorten the messages"
+        )
 
 
 def _text_params(params):
