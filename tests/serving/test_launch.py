@@ -81,3 +81,41 @@ def test_bundled_serve_config_is_valid_and_its_context_exists():
     assert raw["attention"]["private_context"].endswith("examples/private_context.txt")
     with open(raw["attention"]["private_context"]) as handle:
         assert handle.read().strip()
+
+
+@pytest.mark.parametrize(
+    "extra,option",
+    [
+        (["--speculative-config", '{"method": "ngram"}'], "--speculative-config"),
+        (["--kv-events-config={}"], "--kv-events-config"),
+        (["--enable-lora"], "--enable-lora"),
+        (["--runner", "pooling"], "--runner"),
+        (["--config", "more-options.yaml"], "--config"),
+        (["--enable-return-routed-experts"], "--enable-return-routed-experts"),
+        (["-O3"], "-O3"),
+    ],
+)
+def test_options_outside_the_allowlist_are_refused_with_a_private_context(dp_yaml, monkeypatch, extra, option):
+    monkeypatch.setattr("vllm_dp_plugin.serving.launch._on_cuda", lambda: False)
+    with pytest.raises(ConfigError, match=f"option\\(s\\) {option} cannot be used while a private context"):
+        serve_arguments(["MODEL", *extra], str(dp_yaml))
+
+
+def test_allowlisted_options_pass_and_prompt_only_is_not_restricted(dp_yaml, tmp_path, monkeypatch):
+    monkeypatch.setattr("vllm_dp_plugin.serving.launch._on_cuda", lambda: False)
+    argv = ["MODEL", "--max-model-len", "4096", "--no-enable-prefix-caching", "-tp", "2", "--port=9"]
+    assert serve_arguments(argv, str(dp_yaml))[: len(argv)] == argv
+    path = tmp_path / "prompt.yaml"
+    path.write_text(yaml.safe_dump({"dp_privacy": {"prompt": {"epsilon": 10.0}}}))
+    serve_arguments(["MODEL", "--speculative-config", "{}"], str(path))  # prompt-only: no private positions
+
+
+def test_cuda_gets_the_dp_backend_and_refuses_another(dp_yaml, monkeypatch):
+    monkeypatch.setattr("vllm_dp_plugin.serving.launch._on_cuda", lambda: True)
+    args = serve_arguments(["MODEL"], str(dp_yaml))
+    assert args[args.index("--attention-backend") + 1] == "CUSTOM"
+    assert serve_arguments(["MODEL", "--attention-backend", "CUSTOM"], str(dp_yaml)).count("--attention-backend") == 1
+    with pytest.raises(ConfigError, match="must be CUSTOM"):
+        serve_arguments(["MODEL", "--attention-backend=FLASH_ATTN"], str(dp_yaml))
+    monkeypatch.setattr("vllm_dp_plugin.serving.launch._on_cuda", lambda: False)
+    assert "--attention-backend" not in serve_arguments(["MODEL"], str(dp_yaml))  # CPU ignores it
