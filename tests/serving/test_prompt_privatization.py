@@ -6,7 +6,8 @@ one ``vllm-dp serve`` server in tokens mode for the OpenAI routes, which boots w
 ``LLM`` runs (small KV caches: ``gpu_memory_utilization`` 0.1 each). The engine must receive
 privatized ids at the user's positions and untouched ids everywhere else (system prompt,
 template, private context); a huge epsilon must give back the user's own ids; receipts come
-back; bad options are refused with a clear message; the history cache reuses earlier turns.
+back; bad options are refused with a clear message; the history cache reuses earlier turns within
+a secret session (and credential) only; lengths and truncation are applied before privatizing.
 """
 
 import json
@@ -29,11 +30,14 @@ TURN1 = [SYSTEM, {"role": "user", "content": "Remind me what the warehouse polic
 TURN2 = [*TURN1, {"role": "assistant", "content": "It closes at noon."}, {"role": "user", "content": "and on Sundays"}]
 COMPLETION = "The quick brown fox jumps over the lazy dog"
 EXACT = {"dp_mechanism": "laplace", "dp_epsilon": 1e6}  # noise ~1e-6 of the gaps: ids survive
+SESSION = {"dp_session": "k3Jd9xQ2mPz8Lw4Vb7Nc1A"}  # a client's secret (22 characters)
+OTHER_SESSION = {"dp_session": "Zq8Rt2Ww5Yy1Uu7Ii3Oo9P"}
 BAD_OPTIONS = [
     ({"dp_epsilon": 0}, "dp_epsilon must be > 0"),
     ({"dp_epsilon": -1.5}, "dp_epsilon must be > 0"),
     ({"dp_mechanism": "gaussian_paper"}, "dp_mechanism must be one of"),
     ({"dp_epsilom": 1.0}, "unknown prompt privacy option"),
+    ({"dp_session": "conversation-42"}, "vllm_xargs.dp_session must be a secret string of 22 to 256"),
 ]
 PROMPT_SECTION = {"mechanism": "trlap_corrected", "epsilon": 10.0, "max_epsilon": 1e7}
 MEMORY = 0.1  # of RAM for each instance's KV cache: the demo needs little, two run at once
@@ -95,9 +99,10 @@ def llm_tokens(demo_model, server_process, tmp_path_factory):
         chat_step([SYSTEM, USER], EXACT),
         {"prompts": [COMPLETION, [300, 1, 400, 500]], "max_tokens": 4, "dp_options": {}},
         {"prompts": [COMPLETION], "max_tokens": 4, "dp_options": EXACT},
-        chat_step(TURN1, {}),
-        chat_step(TURN2, {}),
-        chat_step(TURN2, {}),  # a retry
+        chat_step(TURN1, SESSION),
+        chat_step(TURN2, SESSION),
+        chat_step(TURN2, SESSION),  # a retry
+        chat_step(TURN2, {}),  # no session: nothing reused
         *[chat_step([SYSTEM, USER], bad) for bad, _ in BAD_OPTIONS],
     ]
     job = {"model": demo_model, "llm": {"tokenizer_mode": "dp_private", "gpu_memory_utilization": MEMORY,
@@ -129,7 +134,7 @@ def test_llm_chat_privatizes_only_the_user_message(llm_tokens, tokenizer):
     assert receipt["tokens_privatized"] == receipt["tokens_new"] == span.stop - span.start
     assert receipt["mechanism"] == "trlap_corrected" and receipt["valid"] and receipt["epsilon_token"] == 10.0
     assert receipt["spent"]["basic"]["epsilon"] == pytest.approx(10.0 * receipt["tokens_new"])
-    assert len(receipt["seed_hash"]) == 16
+    assert not [key for key in receipt if "seed" in key]  # nothing searchable about the noise seed
     assert results[0]["accessor_receipts"] == [receipt]
 
 
@@ -156,7 +161,7 @@ def test_llm_completions_privatize_text_and_non_special_ids(llm_tokens, tokenize
 
 
 @pytest.mark.vllm
-def test_llm_history_cache_reuses_earlier_turns_and_retries(llm_tokens, tokenizer):
+def test_llm_history_cache_reuses_earlier_turns_and_retries_within_a_session(llm_tokens, tokenizer):
     results, deployment = llm_tokens
     context = context_ids(tokenizer, deployment)
     turn1, turn2, retry = (public_part(results[i]["prompt_token_ids"][0], context) for i in (4, 5, 6))
@@ -172,14 +177,16 @@ def test_llm_history_cache_reuses_earlier_turns_and_retries(llm_tokens, tokenize
     assert (r2["tokens_new"], r2["tokens_reused"], r2["tokens_privatized"]) == (n2, n1, n1 + n2)
     assert r2["spent"]["basic"]["epsilon"] == pytest.approx(10.0 * n2)  # budget not spent twice
     assert r2["prompt_total"]["basic"]["epsilon"] == pytest.approx(10.0 * (n1 + n2))
-    assert (r3["tokens_new"], r3["tokens_reused"], r3["seed_hash"]) == (0, n1 + n2, None)
+    assert (r3["tokens_new"], r3["tokens_reused"]) == (0, n1 + n2)
     assert r3["spent"]["min"] == {"epsilon": 0.0, "delta": 0.0}
+    r4 = results[7]["receipts"][0]
+    assert (r4["tokens_new"], r4["tokens_reused"]) == (n1 + n2, 0)  # the same conversation, no session
 
 
 @pytest.mark.vllm
 def test_llm_bad_options_raise_a_clear_error(llm_tokens):
     results, _ = llm_tokens
-    for result, (_, message) in zip(results[7:], BAD_OPTIONS, strict=True):
+    for result, (_, message) in zip(results[8:], BAD_OPTIONS, strict=True):
         assert message in result["error"]
 
 
@@ -248,13 +255,19 @@ def server(server_process):
     pytest.fail("server did not come up in 400 s")
 
 
-def chat(server, messages, options=None, **extra):
+def chat(server, messages, options=None, api_key=None, **extra):
+    """POST a chat; ``api_key``: sent as ``Authorization: Bearer`` (the server checks none)."""
     base, model, _ = server
     body = {"model": model, "messages": messages, "max_tokens": 2, "temperature": 0,
             "return_token_ids": True, **extra}
     if options is not None:
         body["vllm_xargs"] = options
-    return request(base + "/v1/chat/completions", body)
+    if api_key is None:
+        return request(base + "/v1/chat/completions", body)
+    req = urllib.request.Request(base + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {api_key}"})
+    with urllib.request.urlopen(req, timeout=120) as response:
+        return response.status, json.loads(response.read())
 
 
 def complete(server, prompt, options=None, **extra):
@@ -349,20 +362,51 @@ def test_http_refuses_what_would_bypass_the_renderer(server):
 
 
 @pytest.mark.vllm
-def test_http_history_cache_and_budget_and_log(server, tokenizer):
-    base, _, log_path = server
-    session = {"dp_session": "conversation-42"}
-    _, first = chat(server, TURN1, session)
-    _, second = chat(server, TURN2, session)
-    _, other = chat(server, TURN2, {"dp_session": "another"})
+def test_http_history_is_reused_only_within_a_secret_session_and_credential(server, tokenizer):
+    """Issue 15.4: the history cache is no membership oracle. A client replaying another's text
+    (no session, another session, or the same session string with another credential) is
+    noised afresh and its receipt shows no reuse."""
+    _, first = chat(server, TURN1, SESSION, api_key="alice-key")
+    _, second = chat(server, TURN2, SESSION, api_key="alice-key")
     stock = stock_chat(tokenizer, TURN2)
     span = user_span(tokenizer, stock, TURN1[1]["content"], 0)
+    n1, n2 = span.stop - span.start, len(tokenizer.encode(TURN2[3]["content"], add_special_tokens=False))
     assert second["prompt_token_ids"][span] == first["prompt_token_ids"][span]
-    assert other["prompt_token_ids"][span] != second["prompt_token_ids"][span]  # sessions never share
-    receipt = second["dp_prompt_receipts"][0]
-    assert receipt["tokens_reused"] == span.stop - span.start and receipt["tokens_new"] > 0
+    assert (second["dp_prompt_receipts"][0]["tokens_reused"], second["dp_prompt_receipts"][0]["tokens_new"]) == (n1, n2)
+    replays = [chat(server, TURN2, SESSION, api_key="mallory-key"), chat(server, TURN2), chat(server, TURN2),
+               chat(server, TURN2, OTHER_SESSION, api_key="alice-key")]
+    for status, reply in replays:
+        receipt = reply["dp_prompt_receipts"][0]
+        assert status == 200 and (receipt["tokens_reused"], receipt["tokens_new"]) == (0, n1 + n2)
+    assert sum(reply["prompt_token_ids"][span] != second["prompt_token_ids"][span] for _, reply in replays) >= 3
+
+
+@pytest.mark.vllm
+def test_http_lengths_and_truncation_apply_before_privatizing(server, tokenizer):
+    """Issue 15.10/15.12: an over-long chat is refused (vLLM would refuse it) before privatizing;
+    with truncate_prompt_tokens (-1 included) only the kept tokens are privatized."""
+    long_text = COMPLETION + ". " + " ".join([COMPLETION] * 150)  # ~1500 tokens > max_model_len 1024
+    status, reply = chat(server, [{"role": "user", "content": long_text}])
+    assert status == 400 and "max_model_len) is 1024 tokens" in reply["error"]["message"]
+    for truncate in (-1, 7):
+        status, reply = chat(server, [{"role": "user", "content": long_text}], truncate_prompt_tokens=truncate)
+        kept = 1023 if truncate == -1 else 7
+        assert status == 200 and len(reply["prompt_token_ids"]) == kept
+        assert 0 < reply["dp_prompt_receipts"][0]["tokens_privatized"] <= kept
+        status, reply = complete(server, long_text, truncate_prompt_tokens=truncate)
+        assert status == 200 and len(reply["choices"][0]["prompt_token_ids"]) == kept
+        assert reply["dp_prompt_receipts"][0]["tokens_privatized"] == kept
+    status, reply = complete(server, COMPLETION, truncate_prompt_tokens=-1)
+    assert status == 200 and reply["dp_prompt_receipts"][0]["tokens_privatized"] == len(
+        tokenizer.encode(COMPLETION, add_special_tokens=False))
+
+
+@pytest.mark.vllm
+def test_http_budget_and_log(server):
+    base, _, log_path = server
     status, budget = request(base + "/v1/dp/budget")
     assert status == 200 and budget["prompt"]["epsilon_token"] == 10.0 and not budget["enabled"]
+    assert "dp_session" in budget["prompt"]["history_namespace"]
     log = log_path.read_text()
     assert "vllm-dp: prompt privatization on" in log and "2040 candidates" in log
     assert "vllm-dp: prompt privatized" in log
@@ -379,15 +423,18 @@ def _guarded_app(guard: bool):
 
     from vllm_dp_plugin.config import PromptPrivacyConfig
     from vllm_dp_plugin.prompt.session import current_request
-    from vllm_dp_plugin.serving.http import PrivateContextGuard
+    from vllm_dp_plugin.serving.http import PrivateContextGuard, allowed_post
 
     app = FastAPI()
     app.add_middleware(PrivateContextGuard)
     app.state.dp_guard = guard
+    app.state.dp_routes = allowed_post(frozenset({"prompt", "context"} if guard else {"prompt"}))
     app.state.dp_prompt = PromptPrivacyConfig(max_epsilon=50.0)
+    app.state.requests = []
 
     def render():  # what the renderer does for each prompt of the request
         request = current_request()
+        app.state.requests.append(request)
         slot = request.reserve()
         request.receipts[slot] = {"overrides": request.overrides, "tokens_privatized": 3}
 
@@ -409,6 +456,20 @@ def _guarded_app(guard: bool):
     from fastapi.testclient import TestClient
 
     return TestClient(app)
+
+
+def test_guard_hands_the_clients_credential_to_the_renderer():
+    """The history-cache namespace includes the client's Authorization / x-api-key values."""
+    from vllm_dp_plugin.prompt.session import PromptRequest
+
+    client = _guarded_app(guard=False)
+    for key in ("alice-key", "mallory-key"):
+        client.post("/v1/completions", json={"prompt": "hi"}, headers={"Authorization": f"Bearer {key}"})
+    client.post("/v1/completions", json={"prompt": "hi"})
+    credentials = [request.credential for request in client.app.state.requests]
+    expected = [PromptRequest.from_http({}, [(b"authorization", f"Bearer {key}".encode())]).credential
+                for key in ("alice-key", "mallory-key")]
+    assert credentials == [*expected, PromptRequest.from_http({}, []).credential] and len(set(credentials)) == 3
 
 
 def test_guard_adds_receipts_to_json_bodies_and_headers():
@@ -434,7 +495,7 @@ def test_guard_adds_the_receipt_header_to_streams():
         ({"vllm_xargs": {"dp_epsilon": 0}}, "dp_epsilon must be > 0"),
         ({"vllm_xargs": {"dp_epsilon": 51}}, "exceeds this deployment's prompt.max_epsilon=50"),
         ({"vllm_xargs": {"dp_mechanism": "x"}}, "dp_mechanism must be one of"),
-        ({"kv_transfer_params": {"prompt_token_ids": [1]}}, "kv_transfer_params.prompt_token_ids"),
+        ({"kv_transfer_params": {"prompt_token_ids": [1]}}, "`kv_transfer_params"),  # the context refuses it whole
         ({"prompt_embeds": "AAAA"}, "`prompt_embeds` is not allowed"),
     ],
 )
@@ -445,12 +506,14 @@ def test_guard_refuses_bad_prompt_options_before_the_route(guard, body, message)
 
 def test_prompt_refusal_reads_only_options():
     from vllm_dp_plugin.config import PromptPrivacyConfig
-    from vllm_dp_plugin.serving.http import forbidden_request, prompt_refusal
+    from vllm_dp_plugin.serving.http import allowed_post, forbidden_request, prompt_refusal
 
     cfg = PromptPrivacyConfig()
-    assert prompt_refusal({"prompt": "dp_epsilon=-1", "vllm_xargs": {"dp_session": "s"}}, cfg) is None
+    assert prompt_refusal({"prompt": "dp_epsilon=-1", "vllm_xargs": SESSION}, cfg) is None
+    assert "vllm_xargs.dp_session must be a secret" in prompt_refusal({"vllm_xargs": {"dp_session": "s"}}, cfg)[1]
     assert prompt_refusal({"vllm_xargs": {"dp_epsilon": 1e9}}, cfg) is None  # no cap configured
-    refusal = forbidden_request("/v1/chat/completions", {"kv_transfer_params": {"prompt_token_ids": [1]}})
+    refusal = forbidden_request("/v1/chat/completions", {"kv_transfer_params": {"prompt_token_ids": [1]}},
+                                allowed_post(frozenset({"context"})), True)
     assert refusal is not None and refusal[0] == 400  # also closed for the private context
 
 

@@ -1,112 +1,181 @@
-"""Tokenisation around prompt privatization in the renderer.
+"""Tokenisation and lengths around prompt privatization in the renderer (no engine).
 
-``renderer.full_and_plain``: the untruncated and the plain tokenisation of a completion text,
-re-tokenising only when vLLM's ids may be truncated or the tokenizer adds special tokens, and the
-private mask ``locate_plain`` derives from them (added specials public, every text token private,
-a special token typed in the text included). ``added_special_tokens``: the specials a tokenizer
-adds, put around a chat's privatized ids when the request asks for ``add_special_tokens``."""
+Completions: the private mask of a text prompt is taken on the tokenizer's own ids (``added_mask``:
+the specials it adds public, every text token private), so it survives the tokenizer's truncation
+(which cuts the text and re-adds BOS/EOS: ``truncate_prompt_tokens=-1`` on a long prompt) and
+vLLM's own truncation after it (``truncated_mask``). Chats: vLLM's character bound, token limit and
+truncation are applied before privatizing (``_privatize_chat``). ``added_special_tokens``: the
+specials a tokenizer adds, put around a chat's privatized ids when the request asks for
+``add_special_tokens``."""
+
+from collections import OrderedDict
 
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
+from vllm.renderers.params import TokenizeParams
+from vllm.tokenizers.hf import get_cached_tokenizer
 
-from vllm_dp_plugin.prompt.session import added_special_tokens, locate_plain
-from vllm_dp_plugin.serving.renderer import DPRenderer, full_and_plain
+from vllm_dp_plugin.config import PromptPrivacyConfig
+from vllm_dp_plugin.prompt.session import (
+    PromptPrivacy,
+    added_mask,
+    added_special_tokens,
+    mark_user_texts,
+)
+from vllm_dp_plugin.prompt.table import EmbeddingTable
+from vllm_dp_plugin.serving.renderer import DPRenderer
 
 VOCAB = {"<s>": 0, "</s>": 1, "[UNK]": 2, "a": 3, "b": 4, "c": 5}
 TEXT = "a b <s> c a"  # a special token typed by the user: private like any text token
+TEXT_IDS = [3, 4, 0, 5, 3]
+CANDIDATES = (3, 4, 5)
 
 
-class Counting:
-    """A tokenizer proxy that counts tokenisations."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer, self.calls = tokenizer, 0
-
-    def __call__(self, *args, **kwargs):
-        self.calls += 1
-        return self.tokenizer(*args, **kwargs)
-
-    def encode(self, *args, **kwargs):
-        self.calls += 1
-        return self.tokenizer.encode(*args, **kwargs)
-
-
-def tokenizer(template: str | None) -> Counting:
+def tokenizer(template: str | None, side: str = "right"):
     core = Tokenizer(models.WordLevel(VOCAB, unk_token="[UNK]"))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     if template is not None:
         core.post_processor = processors.TemplateProcessing(single=template, special_tokens=[("<s>", 0), ("</s>", 1)])
     fast = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>", unk_token="[UNK]")
-    return Counting(fast)
+    fast.truncation_side = side
+    return get_cached_tokenizer(fast)  # as vLLM holds it (max_chars_per_token)
 
 
-def encode_kwargs(add: bool, max_length: int | None = None) -> dict:
-    return {"truncation": max_length is not None, "max_length": max_length, "add_special_tokens": add}
+def renderer(template: str | None = None, side: str = "right") -> DPRenderer:
+    """A ``DPRenderer`` with only what the completion and chat paths read: the tokenizer, its
+    special ids and a service over a random table of the toy vocabulary (laplace at eps = 1e6:
+    the ids survive, the receipts count what was privatized)."""
+    r = DPRenderer.__new__(DPRenderer)
+    r.tokenizer, r._special, r._around, r._recent = tokenizer(template, side), frozenset({0, 1, 2}), None, OrderedDict()
+    table = EmbeddingTable.build(torch.randn(len(VOCAB), 4, generator=torch.Generator().manual_seed(0)), len(VOCAB), [0, 1, 2])
+    r._prompt = PromptPrivacy(table, PromptPrivacyConfig(mechanism="laplace", epsilon=1e6, cache_history=False))
+    return r
 
 
-def adds(tok: Counting) -> bool:
-    """What the renderer passes: does the tokenizer add any special token (probed, not counted)."""
-    return added_special_tokens(tok.tokenizer, frozenset({0, 1})) != ([], [])
-
-
-def vllm_ids(tok: Counting, kwargs: dict) -> list[int]:
-    """What vLLM's ``_tokenize_prompt`` got (not counted)."""
-    return tok.tokenizer(TEXT, **kwargs)["input_ids"]
-
-
-@pytest.mark.parametrize("add", [True, False])
-def test_a_tokenizer_adding_nothing_is_never_called_again(add):
-    tok = tokenizer(None)
-    kwargs = encode_kwargs(add)
-    full, plain = full_and_plain(tok, TEXT, vllm_ids(tok, kwargs), kwargs, adds(tok))
-    assert tok.calls == 0 and full == plain == [3, 4, 0, 5, 3]
-    assert locate_plain(full, plain, frozenset({0, 1})) == [True] * 5
-
-
-def test_added_bos_and_eos_are_public_and_cost_one_plain_pass():
-    tok = tokenizer("<s> $A </s>")
-    kwargs = encode_kwargs(True)
-    full, plain = full_and_plain(tok, TEXT, vllm_ids(tok, kwargs), kwargs, adds(tok))
-    assert tok.calls == 1  # the plain pass only
-    assert full == [0, 3, 4, 0, 5, 3, 1] and plain == [3, 4, 0, 5, 3]
-    assert locate_plain(full, plain, frozenset({0, 1})) == [False, True, True, True, True, True, False]
-
-
-def test_without_added_specials_the_plain_pass_is_the_ids():
-    tok = tokenizer("<s> $A </s>")
-    kwargs = encode_kwargs(False)
-    full, plain = full_and_plain(tok, TEXT, vllm_ids(tok, kwargs), kwargs, adds(tok))
-    assert tok.calls == 0 and full == plain == [3, 4, 0, 5, 3]
-
-
-def test_ids_as_long_as_the_limit_are_re_tokenised_whole():
-    tok = tokenizer("<s> $A </s>")
-    kwargs = encode_kwargs(True, max_length=4)
-    truncated = vllm_ids(tok, kwargs)
-    assert len(truncated) == 4
-    full, plain = full_and_plain(tok, TEXT, truncated, kwargs, adds(tok))
-    assert full == [0, 3, 4, 0, 5, 3, 1] and plain == [3, 4, 0, 5, 3] and tok.calls == 2
-    short = encode_kwargs(True, max_length=50)  # under the limit: nothing truncated, no re-tokenising
-    tok.calls = 0
-    assert full_and_plain(tok, TEXT, vllm_ids(tok, short), short, adds(tok))[0] == full and tok.calls == 1
+def complete(r: DPRenderer, params: TokenizeParams):
+    """vLLM's completion path for ``TEXT``: tokenise, validate/truncate, then the engine input."""
+    prompt = r._tokenize_prompt({"prompt": TEXT}, params)
+    prompt = params.apply_post_tokenization(r.tokenizer, prompt)
+    receipt = r._privatize_cmpl(prompt, params, asynchronous=False)
+    return prompt["prompt_token_ids"], receipt
 
 
 @pytest.mark.parametrize(("template", "around"), [(None, ([], [])), ("<s> $A", ([0], [])), ("<s> $A </s>", ([0], [1]))])
 def test_added_special_tokens_are_found_by_probing(template, around):
-    assert added_special_tokens(tokenizer(template).tokenizer, frozenset({0, 1})) == around
+    assert added_special_tokens(tokenizer(template), frozenset({0, 1})) == around
+
+
+def test_added_mask_makes_the_added_specials_public_and_every_text_token_private():
+    assert added_mask([0, *TEXT_IDS, 1], ([0], [1])) == [False, True, True, True, True, True, False]
+    assert added_mask([0, 0, 1], ([0], [1])) == [False, True, False]  # a typed <s> stays private
+    assert added_mask(TEXT_IDS, ([], [])) == [True] * 5
+    for ids in ([3, 4, 1], [0, 3, 4], [0]):
+        with pytest.raises(ValueError, match="added special tokens are not around it"):
+            added_mask(ids, ([0], [1]))
+
+
+@pytest.mark.parametrize(
+    ("template", "side", "expected"),
+    [
+        ("<s> $A </s>", "right", [0, 3, 4, 1]),  # the tokenizer cuts the text and re-adds BOS and EOS
+        ("<s> $A", "left", [0, 0, 5, 3]),  # keeps the end of the text, BOS re-added in front
+        ("<s> $A", "right", [0, 3, 4, 0]),
+        (None, "left", [4, 0, 5, 3]),  # nothing added: a plain suffix ("<s>" typed by the user)
+    ],
+)
+def test_truncate_prompt_tokens_minus_one_survives_the_tokenizers_truncation(template, side, expected):
+    """Issue 15.12: -1 truncates to max_model_len - 1 in the tokenizer; with added specials the
+    result is not a slice of the untruncated ids, which the mask used to require."""
+    r = renderer(template, side)
+    params = TokenizeParams(max_total_tokens=5, max_output_tokens=1, truncate_prompt_tokens=-1, add_special_tokens=True)
+    ids, receipt = complete(r, params)
+    prefix, suffix = r._added_specials()
+    private = range(len(prefix), 4 - len(suffix))
+    assert receipt.tokens_privatized == len(private)  # the re-added specials are public, the rest private
+    assert [t for i, t in enumerate(ids) if i not in private] == [t for i, t in enumerate(expected) if i not in private]
+    # private ids are candidates: the user's own at eps = 1e6, the nearest candidate for a typed <s>
+    assert all(ids[i] == expected[i] if expected[i] in CANDIDATES else ids[i] in CANDIDATES for i in private)
+
+
+@pytest.mark.parametrize(("side", "expected", "private"), [("left", [5, 3, 1], 2), ("right", [0, 3, 4], 2)])
+def test_vllms_own_truncation_after_tokenising_keeps_the_mask(side, expected, private):
+    r = renderer("<s> $A </s>")
+    params = TokenizeParams(max_total_tokens=20, max_output_tokens=1, truncate_prompt_tokens=3,
+                            truncation_side=side, add_special_tokens=True)
+    ids, receipt = complete(r, params)
+    assert ids == expected and receipt.tokens_privatized == private
+
+
+def test_without_added_specials_every_completion_token_is_private():
+    params = TokenizeParams(max_total_tokens=20, max_output_tokens=1, add_special_tokens=False)
+    ids, receipt = complete(renderer("<s> $A </s>"), params)
+    assert ids[:2] + ids[3:] == [3, 4, 5, 3] and ids[2] in CANDIDATES  # the typed <s> too
+    assert receipt.tokens_privatized == 5
+
+
+# ----------------------------------------------------------------------------- chat lengths
+
+
+def chat(r: DPRenderer, words: int, params: TokenizeParams):
+    """``_privatize_chat`` of a one-message chat of ``words`` words, rendered as ``<s> text``."""
+    text = " ".join(["a", "b", "c"] * words)[: 2 * words - 1]
+    marked = mark_user_texts([{"role": "user", "content": text}], nonce="1")
+    real, template = {"prompt": f"<s> {text}"}, {"prompt": f"<s> {marked.sentinels[0]}"}
+    return r._privatize_chat(marked, real, template, r._prompt.options(), params)
+
+
+def refuse_privatizing(r: DPRenderer, monkeypatch) -> None:
+    def privatize(*args, **kwargs):
+        raise AssertionError("privatized a chat that vLLM refuses")
+
+    monkeypatch.setattr(r._prompt, "privatize", privatize)
+
+
+def test_a_chat_too_long_in_characters_is_refused_before_tokenising_or_privatizing(monkeypatch):
+    """Issue 15.10: a chat vLLM refuses for its length must not be privatized first."""
+    r = renderer()
+    refuse_privatizing(r, monkeypatch)
+    monkeypatch.setattr(r, "_encode", lambda text: pytest.fail("tokenised a chat that vLLM refuses"))
+    params = TokenizeParams(max_total_tokens=4, max_output_tokens=1)
+    with pytest.raises(ValueError, match=r"max_model_len\) is 4 tokens, but the chat has 23 characters, more than 20"):
+        chat(r, 10, params)  # "<s> " + 19 characters > 4 tokens * 5 characters
+
+
+def test_a_chat_too_long_in_tokens_is_refused_before_privatizing(monkeypatch):
+    r = renderer()
+    refuse_privatizing(r, monkeypatch)
+    params = TokenizeParams(max_total_tokens=8, max_output_tokens=1)
+    with pytest.raises(ValueError, match=r"max_model_len\) is 8 tokens, but the chat has 11 input tokens"):
+        chat(r, 10, params)  # 23 characters <= 40, but 1 + 10 tokens > 8
+
+
+@pytest.mark.parametrize(("truncate", "side", "kept"), [(-1, "left", 7), (-1, "right", 7), (3, "left", 3)])
+def test_a_truncated_chat_privatizes_only_the_tokens_vllm_keeps(truncate, side, kept):
+    r = renderer()
+    params = TokenizeParams(max_total_tokens=8, max_output_tokens=1, truncate_prompt_tokens=truncate, truncation_side=side)
+    done = chat(r, 10, params)  # [<s>, 10 words]
+    full = [0, *[3, 4, 5] * 3, 3]
+    assert done.ids == (full[-kept:] if side == "left" else full[:kept])
+    assert done.receipt.tokens_privatized == (kept if side == "left" else kept - 1)  # <s> is template
+    assert params.apply_post_tokenization(r.tokenizer, {"prompt_token_ids": list(done.ids)})["prompt_token_ids"] == done.ids
+
+
+def test_a_chat_within_the_limits_is_privatized_whole():
+    done = chat(renderer(), 3, TokenizeParams(max_total_tokens=8, max_output_tokens=1))
+    assert done.ids == [0, 3, 4, 5] and done.mask == [False, True, True, True]
 
 
 def test_a_chat_asking_for_special_tokens_gets_them_around_the_privatized_ids():
     """Tokens and embeddings mode: public BOS/EOS rows around the (already privatized) prompt."""
-    renderer = DPRenderer.__new__(DPRenderer)  # the two methods need only these attributes
-    renderer._around, renderer._special = None, frozenset({0, 1})
-    renderer.tokenizer = tokenizer("<s> $A </s>").tokenizer
+    renderer_ = DPRenderer.__new__(DPRenderer)  # the two methods need only these attributes
+    renderer_._around, renderer_._special = None, frozenset({0, 1})
+    renderer_.tokenizer = tokenizer("<s> $A </s>")
     tokens = {"prompt_token_ids": [5, 4]}
-    renderer._add_special_tokens(tokens)
+    renderer_._add_special_tokens(tokens)
     assert tokens == {"prompt_token_ids": [0, 5, 4, 1]}
     embeds = {"prompt_token_ids": [9, 9], "prompt_embeds": torch.ones(2, 3), "prompt_is_token_ids": [False, True]}
-    renderer._add_special_tokens(embeds)
+    renderer_._add_special_tokens(embeds)
     assert embeds["prompt_token_ids"] == [0, 9, 9, 1] and embeds["prompt_is_token_ids"] == [True, False, True, True]
     assert embeds["prompt_embeds"].sum(1).tolist() == [0.0, 3.0, 3.0, 0.0]

@@ -10,7 +10,9 @@ The serving adapter (``serving/renderer.py``) and ``vllm-dp privatize`` share th
 * **Segments** (trlaplace spec 6.2.5). A prompt is a sequence of ``Segment`` s, each tokenised on
   its own: template pieces (system prompt, assistant turns, role markers) pass through, user
   segments are private. ``split_rendered`` locates user content in a chat template rendered
-  with sentinels; ``splice`` concatenates the pieces and returns the exact private mask.
+  with sentinels; ``splice`` concatenates the pieces and returns the exact private mask;
+  ``truncate_segments`` applies vLLM's prompt truncation before privatizing. For completions,
+  ``added_mask`` makes the tokenizer's added specials public and every text token private.
 * **History cache** (spec 6.2.7). A user segment is privatized once per *namespace*: its
   privatized ids are stored under the deployment's keyed MAC (``NoiseKey.mac``) of the namespace,
   the mechanism, epsilon, delta, mode, the segment's own ids and its position (message index and
@@ -447,6 +449,36 @@ def added_special_tokens(tokenizer, special_ids: frozenset[int]) -> tuple[list[i
     mask = locate_plain(full, tokenizer.encode(probe, add_special_tokens=False), special_ids)
     start, stop = mask.index(True), len(mask) - mask[::-1].index(True)
     return full[:start], full[stop:]
+
+
+def added_mask(ids: Sequence[int], around: tuple[Sequence[int], Sequence[int]]) -> list[bool]:
+    """Private mask over ``ids``: a text tokenised with the tokenizer's added special tokens
+    ``around`` = (prefix, suffix) (``added_special_tokens``; ``([], [])`` when none are added),
+    possibly truncated by the tokenizer, which cuts the text's tokens and re-adds prefix and
+    suffix. The added ids are public, every other id (the text) is private. ValueError if
+    ``ids`` does not start with the prefix and end with the suffix."""
+    prefix, suffix = list(around[0]), list(around[1])
+    inner = len(ids) - len(prefix) - len(suffix)
+    if inner < 0 or list(ids[: len(prefix)]) != prefix or list(ids[len(ids) - len(suffix) :]) != suffix:
+        raise ValueError("cannot align the prompt's tokens with its text: the tokenizer's added special tokens are not around it")
+    return [False] * len(prefix) + [True] * inner + [False] * len(suffix)
+
+
+def truncate_segments(segments: Sequence[Segment], keep: slice) -> list[Segment]:
+    """The segments of ``splice(segments)[0][keep]`` (a contiguous slice: vLLM's truncation of the
+    prompt, applied before privatizing so that only kept tokens are noised). A segment cut at an
+    end keeps its privacy and cache key (cache keys include the segment's ids, so a cut segment
+    never reuses its whole one's release)."""
+    start, stop, step = keep.indices(sum(len(s.ids) for s in segments))
+    if step != 1:
+        raise ValueError("prompt truncation keeps a contiguous range of tokens")
+    kept, pos = [], 0
+    for segment in segments:
+        a, b = max(start, pos), min(stop, pos + len(segment.ids))
+        if a < b:
+            kept.append(Segment(segment.ids[a - pos : b - pos], segment.private, segment.cache_key))
+        pos += len(segment.ids)
+    return kept
 
 
 def truncated_mask(

@@ -17,6 +17,10 @@ them; the logic lives in ``prompt.session``, this class only wires it into vLLM:
 * completions (``process_for_engine[_async]``): a text prompt is private except the special
   tokens the tokenizer adds (mask from ``_tokenize_prompt``, carried across truncation); in a
   token-id prompt every non-special id is private (special ids are the client's template).
+* lengths: vLLM checks and truncates (``truncate_prompt_tokens``) a chat only after rendering,
+  which is where it is privatized; the renderer applies the request's limits first (the same
+  character bound, token limit and truncation as vLLM, ``_privatize_chat``), so only tokens that
+  reach the engine are noised and an over-long chat costs no privatization.
 * options come from ``prompt.session.current_request()`` (set by the HTTP layer from
   ``vllm_xargs``, or by ``prompt_request`` around ``LLM`` calls); receipts go back the same way,
   to the log (one line per prompt, no text, no ids) and to ``prompt_receipt(prompt_token_ids)``.
@@ -30,6 +34,8 @@ and its character offsets are dropped from the engine input.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import hashlib
@@ -44,14 +50,15 @@ from ..config import ConfigError
 from ..prompt.session import (
     PrivatizedPrompt,
     PromptReceipt,
+    added_mask,
     added_special_tokens,
     chat_segments,
     current_request,
-    locate_plain,
     mark_user_texts,
     recover_user_texts,
     split_rendered,
     token_segments,
+    truncate_segments,
     truncated_mask,
 )
 from .prompt_table import build_prompt_privacy, receipt_log_line, special_token_ids
@@ -60,8 +67,9 @@ from .settings import PLUGIN_NAME, dp_config, private_context
 logger = logging.getLogger("vllm.dp_privacy")  # inherits vLLM's log handler
 
 RECEIPT_MARK = "_dp_receipt"  # chat prompts privatized by render_messages carry their receipt
-FULL_MARK = "_dp_full"  # text completions: (untruncated ids, private mask) from _tokenize_prompt
+FULL_MARK = "_dp_full"  # text completions: (the tokenizer's ids, their private mask) from _tokenize_prompt
 RECENT_RECEIPTS = 1024
+_CHAT_TOK_PARAMS: contextvars.ContextVar = contextvars.ContextVar("vllm_dp_chat_tok_params", default=None)
 
 
 class DPRenderer(HfRenderer):
@@ -133,6 +141,14 @@ class DPRenderer(HfRenderer):
 
     # ------------------------------------------------------------------ chat
 
+    def render_chat(self, conversations, chat_params, tok_params=None, **kwargs):
+        with _bound(_CHAT_TOK_PARAMS, tok_params):
+            return super().render_chat(conversations, chat_params, tok_params, **kwargs)
+
+    async def render_chat_async(self, conversations, chat_params, tok_params=None, **kwargs):
+        with _bound(_CHAT_TOK_PARAMS, tok_params):  # copied into the tasks rendering each chat
+            return await super().render_chat_async(conversations, chat_params, tok_params, **kwargs)
+
     def render_messages(self, messages, params):
         if self._prompt is None:
             return super().render_messages(messages, params)
@@ -141,7 +157,7 @@ class DPRenderer(HfRenderer):
         text_params = _text_params(params)
         conversation, real = super().render_messages(messages, text_params)
         _, template = super().render_messages(marked.messages, text_params)
-        done = self._privatize_chat(marked, real, template, options)
+        done = self._privatize_chat(marked, real, template, options, self._chat_tok_params())
         return conversation, self._chat_prompt(done, request, slot)
 
     async def render_messages_async(self, messages, params):
@@ -152,17 +168,36 @@ class DPRenderer(HfRenderer):
         text_params = _text_params(params)
         conversation, real = await super().render_messages_async(messages, text_params)
         _, template = await super().render_messages_async(marked.messages, text_params)
-        done = await self._offload(self._privatize_chat, marked, real, template, options)
+        done = await self._offload(self._privatize_chat, marked, real, template, options, self._chat_tok_params())
         return conversation, self._chat_prompt(done, request, slot)
 
-    def _privatize_chat(self, marked, real, template, options) -> PrivatizedPrompt:
+    def _chat_tok_params(self):
+        """The ``TokenizeParams`` vLLM will check and truncate this chat with (``render_chat``)."""
+        return _CHAT_TOK_PARAMS.get() or self.default_chat_tok_params
+
+    def _privatize_chat(self, marked, real, template, options, tok_params) -> PrivatizedPrompt:
+        """Locate, tokenise and privatize the user texts of a rendered chat, within ``tok_params``'
+        limits: a chat vLLM would refuse is refused before privatizing (vLLM's character bound,
+        then its token limit), and with ``truncate_prompt_tokens`` only the tokens vLLM keeps are
+        privatized (its own truncation of them is then a no-op)."""
         for rendered in (real, template):
             if "prompt" not in rendered or rendered.get("multi_modal_data"):
                 raise ValueError("prompt privatization supports text-only chats")
-        check_chat_length(real["prompt"], self.model_config.max_model_len, self.tokenizer.max_chars_per_token)
+        limit, truncates = tok_params.max_input_tokens, tok_params.truncate_prompt_tokens is not None
+        if limit is not None and not truncates:
+            check_text_length(real["prompt"], limit, self.tokenizer.max_chars_per_token)
         pieces = split_rendered(template["prompt"], marked.sentinels)
         texts = recover_user_texts(real["prompt"], pieces, marked.texts)
         segments = chat_segments(pieces, texts, marked.cache_keys, self._encode)
+        count = sum(len(segment.ids) for segment in segments)
+        keep = tok_params._truncation_slice(self.tokenizer, count)  # vLLM's truncate_prompt_tokens
+        if keep is not None:
+            segments = truncate_segments(segments, keep)
+        elif limit is not None and count > limit:
+            raise ValueError(
+                f"This model's maximum context length (max_model_len) is {limit} tokens, but the "
+                f"chat has {count} input tokens: shorten the messages or set truncate_prompt_tokens"
+            )
         return self._prompt.privatize(segments, options)
 
     def _chat_prompt(self, done: PrivatizedPrompt, request, slot) -> dict:
@@ -175,11 +210,9 @@ class DPRenderer(HfRenderer):
 
     def _tokenize_prompt(self, prompt, params):
         out = super()._tokenize_prompt(prompt, params)
-        if self._prompt is not None:
-            kwargs = params.get_encode_kwargs()
-            adds = self._added_specials() != ([], [])
-            full, plain = full_and_plain(self.tokenizer, prompt["prompt"], out["prompt_token_ids"], kwargs, adds)
-            out[FULL_MARK] = (full, locate_plain(full, plain, self._special))
+        if self._prompt is not None:  # the tokenizer may have truncated the text (and re-added its specials)
+            ids = list(out["prompt_token_ids"])
+            out[FULL_MARK] = (ids, added_mask(ids, self._added_specials() if params.add_special_tokens else ([], [])))
         return out
 
     def process_for_engine(self, prompt, arrival_time, **kwargs):
@@ -310,36 +343,26 @@ class DPRenderer(HfRenderer):
         return engine_input
 
 
-def full_and_plain(
-    tokenizer, text: str, ids: list[int], encode_kwargs: dict, adds_specials: bool
-) -> tuple[list[int], list[int]]:
-    """(``text`` tokenised with ``encode_kwargs``' ``add_special_tokens`` but untruncated, ``text``
-    tokenised without added special tokens), given ``ids``: vLLM's tokenisation of ``text`` with
-    ``encode_kwargs``, and whether the tokenizer ``adds_specials`` at all (``added_special_tokens``).
-    Re-tokenises only when ``ids`` may be truncated (as long as the ``max_length`` limit) or
-    special tokens were added: the common case costs nothing."""
-    limit = encode_kwargs.get("max_length") if encode_kwargs.get("truncation") else None
-    add = bool(encode_kwargs.get("add_special_tokens"))
-    full = list(ids)
-    if limit is not None and len(full) >= limit:  # maybe truncated: the whole text again
-        full = list(tokenizer(text, add_special_tokens=add)["input_ids"])
-    return full, (tokenizer.encode(text, add_special_tokens=False) if add and adds_specials else full)
-
-
-def check_chat_length(text: str, max_model_len: int, max_chars_per_token: int) -> None:
-    """Refuse a rendered chat ``text`` longer than ``max_model_len * max_chars_per_token``
-    characters (vLLM's own bound for a text of ``max_model_len`` tokens; both public) BEFORE it is
-    tokenised and privatized: vLLM checks a chat's length only after rendering, which is where
-    the privatization runs, so an over-long chat would otherwise cost noise and a nearest-candidate
-    search per token before vLLM refuses it (or truncates it: with prompt privatization on,
-    ``truncate_prompt_tokens`` does not rescue such a chat)."""
-    limit = max_model_len * max_chars_per_token
+def check_text_length(text: str, max_input_tokens: int, max_chars_per_token: int) -> None:
+    """vLLM's check of a prompt text without truncation, before it is tokenised: more than
+    ``max_input_tokens * max_chars_per_token`` characters (the tokenizer's longest token; both
+    public) cannot fit in ``max_input_tokens`` tokens. ValueError naming max_model_len."""
+    limit = max_input_tokens * max_chars_per_token
     if len(text) > limit:
         raise ValueError(
-            f"This model's maximum context length (max_model_len) is {max_model_len} tokens, but "
-            f"the rendered chat has {len(text)} characters, more than {limit} (the bound for "
-            f"{max_model_len} tokens): shorten the messages"
+            f"This model's maximum context length (max_model_len) is {max_input_tokens} tokens, but "
+            f"the chat has {len(text)} characters, more than {limit} (the bound for {max_input_tokens} "
+            "tokens): shorten the messages or set truncate_prompt_tokens"
         )
+
+
+@contextlib.contextmanager
+def _bound(var: contextvars.ContextVar, value):
+    token = var.set(value)
+    try:
+        yield
+    finally:
+        var.reset(token)
 
 
 def _text_params(params):

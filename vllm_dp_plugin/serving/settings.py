@@ -269,7 +269,10 @@ def budget_payload(vllm_config) -> dict:
 
 def prompt_payload(prompt_cfg) -> dict:
     """What ``GET /v1/dp/budget`` says about prompt privatization (``dp_privacy.prompt``): the
-    server's per-token defaults and what requests may change. Spending is per request (receipts)."""
+    server's per-token defaults, what requests may change and which requests share the history
+    cache. Spending is per request (receipts)."""
+    from ..prompt.session import MAX_SESSION_CHARS, MIN_SESSION_CHARS
+
     return {
         "enabled": True,
         "unit": "one token of user-authored prompt content (replace-one, any token <-> any token)",
@@ -280,5 +283,12 @@ def prompt_payload(prompt_cfg) -> dict:
         "allow_request_override": prompt_cfg.allow_request_override,
         "max_epsilon": prompt_cfg.max_epsilon,
         "cache_history": prompt_cfg.cache_history,
+        "history_namespace": (
+            "privatized user messages are reused only by requests with the same vllm_xargs.dp_session "
+            f"(a secret of {MIN_SESSION_CHARS} to {MAX_SESSION_CHARS} characters) and the same "
+            "Authorization / x-api-key credential; without a dp_session every request is noised afresh"
+            if prompt_cfg.cache_history
+            else "none: every request is noised afresh"
+        ),
         "receipts": "per request: header x-dp-prompt-receipts and field dp_prompt_receipts",
     }
