@@ -1,7 +1,8 @@
 """DP training under torch.distributed (gloo, 2 processes): every rank holds the plain model and
 trains on its shard of the same Poisson draw; the engine all-reduces the clipped sums and rank 0
 adds the noise, so 2 DP-Adam steps give every rank the parameters of the single-process run with
-the same seeds (float32; the sums only differ in addition order, ~1e-7 relative)."""
+the same seeds (float32; the sums only differ in addition order, ~1e-7 relative). Secure mode:
+rank 0 releases the reduced sum on the grid and broadcasts it."""
 
 import tempfile
 from pathlib import Path
@@ -15,7 +16,8 @@ from vllm_dp_plugin.trainer.engine import DPConfig, DPEngine, causal_lm_per_samp
 from vllm_dp_plugin.trainer.sampling import PoissonSampler, shard_for_rank, virtual_batches
 
 VOCAB, DIM, TOKENS, SAMPLES, STEPS, WORLD = 20, 8, 5, 16, 2, 2
-CONFIG = DPConfig(noise_multiplier=1.0, expected_batch_size=8, seed=13)
+CONFIGS = {secure: DPConfig(noise_multiplier=1.0, expected_batch_size=8, seed=13, secure_mode=secure)
+           for secure in (False, True)}
 
 
 class TinyLM(nn.Module):
@@ -43,10 +45,11 @@ def dataset() -> torch.Tensor:
     return ids
 
 
-def train(rank: int, world_size: int) -> dict[str, torch.Tensor]:
-    """2 DP-Adam steps on this rank's shards (virtual batches of 2); the final parameters."""
+def train(rank: int, world_size: int, config: DPConfig) -> dict[str, torch.Tensor]:
+    """2 DP-Adam steps on this rank's shards (virtual batches of 2); the final parameters and
+    (``grad/`` + name) the last step's gradients."""
     model, data = TinyLM(), dataset()
-    engine = DPEngine(model, CONFIG)
+    engine = DPEngine(model, config)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
     for batch in PoissonSampler(SAMPLES, 0.5, STEPS, seed=5):
         for part in virtual_batches(shard_for_rank(batch, rank, world_size), 2):
@@ -54,16 +57,17 @@ def train(rank: int, world_size: int) -> dict[str, torch.Tensor]:
             engine.backward(causal_lm_per_sample_loss(model(ids), ids.masked_fill(ids == 0, -100)))
         engine.finish_step()
         optimizer.step()
-    return {name: p.detach().clone() for name, p in model.named_parameters()}
+    params = {name: p.detach().clone() for name, p in model.named_parameters()}
+    return params | {f"grad/{name}": p.grad.clone() for name, p in model.named_parameters()}
 
 
-def worker(rank: int, init_file: str, out_dir: str) -> None:
+def worker(rank: int, init_file: str, out_dir: str, config: DPConfig) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     try:
-        torch.save(train(rank, WORLD), Path(out_dir) / f"rank{rank}.pt")
+        torch.save(train(rank, WORLD, config), Path(out_dir) / f"rank{rank}.pt")
         wrapped = nn.parallel.DistributedDataParallel(TinyLM())
         try:
-            DPEngine(wrapped, CONFIG)
+            DPEngine(wrapped, config)
         except TypeError:
             pass
         else:
@@ -73,12 +77,30 @@ def worker(rank: int, init_file: str, out_dir: str) -> None:
 
 
 def test_two_ranks_equal_one_process():
-    single = train(rank=0, world_size=1)
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(worker, args=(str(Path(tmp) / "init"), tmp), nprocs=WORLD, join=True)
-        ranks = [torch.load(Path(tmp) / f"rank{r}.pt") for r in range(WORLD)]
+    single = train(rank=0, world_size=1, config=CONFIGS[False])
+    ranks = run_ranks(CONFIGS[False])
     untrained = dict(TinyLM().named_parameters())
     for name, want in single.items():
         assert torch.equal(ranks[0][name], ranks[1][name]), name  # every rank got the same grad
         torch.testing.assert_close(ranks[0][name], want, rtol=1e-6, atol=1e-6, msg=name)
-        assert not torch.allclose(want, untrained[name]), name  # the steps moved every parameter
+        if not name.startswith("grad/"):
+            assert not torch.allclose(want, untrained[name]), name  # the steps moved every parameter
+
+
+def test_secure_mode_releases_the_reduced_sum_once():
+    """Every rank gets rank 0's grid release of the all-reduced sum: the same grads, on the grid
+    (multiples of gamma / B), at most one grid step from the single-process run's (its sum differs
+    in addition order only, ~1e-7 relative, far below a step: round() can move by one)."""
+    config = CONFIGS[True]
+    single, ranks = train(rank=0, world_size=1, config=config), run_ranks(config)
+    step = DPEngine(TinyLM(), config).secure_release.grid / config.expected_batch_size
+    for name in (name for name in single if name.startswith("grad/")):
+        assert torch.equal(ranks[0][name], ranks[1][name]), name
+        assert torch.equal(ranks[0][name] / step, torch.round(ranks[0][name] / step)), name
+        assert (ranks[0][name] - single[name]).abs().max() <= step, name
+
+
+def run_ranks(config: DPConfig) -> list[dict[str, torch.Tensor]]:
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(worker, args=(str(Path(tmp) / "init"), tmp, config), nprocs=WORLD, join=True)
+        return [torch.load(Path(tmp) / f"rank{r}.pt") for r in range(WORLD)]

@@ -10,6 +10,7 @@ tests at fixed seeds.
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from scipy import stats
@@ -298,6 +299,7 @@ def test_gradient_checkpointing_raises():
         {"noise_multiplier": 1.0, "expected_batch_size": 2, "clipping": "per_layer"},
         {"noise_multiplier": 1.0, "expected_batch_size": 2, "gamma": -0.1},
         {"noise_multiplier": 1.0, "expected_batch_size": 2, "seed": 1.5},
+        {"noise_multiplier": 1.0, "expected_batch_size": 2, "secure_mode": "yes"},
     ],
 )
 def test_bad_config_raises(kwargs):
@@ -338,3 +340,101 @@ def test_norm_is_exact_not_an_upper_bound():
     model, batch = gpt2(), make_batch()
     norms = sample_norms(brute_force_grads(model, batch))
     assert norms.min() > 0 and not math.isclose(norms.min().item(), norms.max().item(), rel_tol=1e-3)
+
+
+# ---------- floating point: secure mode; the noise generator's state ----------
+
+SPREAD = 1 << 16  # coordinates of one released vector: i.i.d. draws of one coordinate's release
+SHIFT = 2.0**-8  # a record x = SHIFT * ones has norm SHIFT * 2^8 = 1 = C: clipped sum SHIFT or 0
+LEAK_MULTIPLIER, LEAK_DELTA = 3.0, 1e-3  # per coordinate: noise std = 3 x the shift
+
+
+def one_record_release(record: bool, secure_mode: bool, seed: int) -> torch.Tensor:
+    """``p.grad: [SPREAD]`` of a Linear(SPREAD -> 1) after one flat-clipped step (B = 1) on the
+    record ``SHIFT * ones`` or ``zeros`` (neighbours): every coordinate's clipped sum is exactly
+    SHIFT or 0 in float32, and the noise multiplier makes its noise std 3 x SHIFT."""
+    model = nn.Linear(SPREAD, 1, bias=False)
+    config = DPConfig(noise_multiplier=LEAK_MULTIPLIER * SHIFT, expected_batch_size=1, clip_norm=1.0,
+                      clipping="flat", seed=seed, secure_mode=secure_mode)
+    engine = DPEngine(model, config)
+    x = torch.full((1, 1, SPREAD), SHIFT if record else 0.0)
+    engine.backward(model(x).sum((1, 2)))
+    engine.finish_step()
+    return model.weight.grad.view(-1)
+
+
+@pytest.mark.parametrize("secure_mode", [False, True])
+def test_low_order_bits_separate_neighbours_only_without_secure_mode(secure_mode):
+    """The audit's distinguisher on the engine's release, per coordinate (each coordinate is a
+    Gaussian release of sensitivity SHIFT with noise multiplier >= 3, i.e. (eps, 1e-3)-DP): the
+    float release puts ~9% of its zero-record coordinates off the multiples of ulp(SHIFT)/2,
+    where the one-record release never is (excess > 0 refutes DP); the secure release stays
+    within e^eps and the derived sampling slack on every output set."""
+    from tests.privacy.distinguisher import MIRONOV, events, excess, rdp_epsilon
+
+    without, with_record = one_record_release(False, secure_mode, 1), one_record_release(True, secure_mode, 2)
+    found = excess(without, with_record, events(SHIFT, torch.float32), rdp_epsilon(LEAK_MULTIPLIER, LEAK_DELTA),
+                   LEAK_DELTA)
+    if secure_mode:
+        assert max(found.values()) <= 0, found
+    else:
+        assert found[MIRONOV] > 0, found
+
+
+def test_secure_release_is_on_the_grid_with_the_calibrated_noise():
+    """Secure mode on the tiny GPT-2 (~8.6k float32 coordinates): every grad is (grid step / B) x
+    an integer, the noise alone is N(0, noise_std^2) (KS), and one seed repeats the release."""
+    config = DPConfig(noise_multiplier=1.3, expected_batch_size=4, clip_norm=0.7, seed=11, secure_mode=True)
+    noise = noise_only_grads(gpt2(dtype=torch.float32), config)
+    release = DPEngine(gpt2(dtype=torch.float32), config).secure_release
+    assert release.noise_multiplier >= config.noise_multiplier
+    everything = torch.cat([g.flatten() for g in noise.values()]) * config.expected_batch_size
+    steps = everything / release.grid
+    assert torch.equal(steps, torch.round(steps))
+    assert stats.kstest((everything / release.noise_std).numpy(), "norm").pvalue > 1e-3
+    again = noise_only_grads(gpt2(dtype=torch.float32), config)
+    assert all(torch.equal(noise[name], again[name]) for name in noise)
+
+
+def test_secure_release_resumes_from_the_noise_state():
+    """A checkpointed generator state continues the secure noise stream: the second step of a
+    run equals a fresh engine's step after ``set_noise_state``."""
+    config = DPConfig(noise_multiplier=1.0, expected_batch_size=4, seed=3, secure_mode=True)
+    model, batch = llama(), make_batch()
+    engine = DPEngine(model, config)
+    engine.backward(losses(model, batch) * 0)
+    engine.finish_step()
+    state = engine.noise_state()
+    engine.backward(losses(model, batch) * 0)
+    engine.finish_step()
+    second = {name: p.grad.clone() for name, p in model.named_parameters()}
+    resumed = llama()
+    other = DPEngine(resumed, config)
+    other.set_noise_state(state)
+    other.backward(losses(resumed, batch) * 0)
+    other.finish_step()
+    assert all(torch.equal(p.grad, second[name]) for name, p in resumed.named_parameters())
+
+
+def _is_a_32_bit_seed_state(state: torch.Tensor) -> bool:
+    """Whether a CPU generator state's mt19937 words follow init_with_uint32's recurrence, i.e.
+    come from ``manual_seed`` (which keeps 32 bits of any seed) before any draw."""
+    words = np.frombuffer(state.numpy().tobytes()[24 : 24 + 8 * 624], dtype="<u8")
+    prev = words[:-1]
+    follow = (np.uint64(1812433253) * (prev ^ (prev >> np.uint64(30))) + np.arange(1, 624, dtype=np.uint64))
+    return bool((follow & np.uint64(0xFFFFFFFF) == words[1:]).all())
+
+
+@pytest.mark.parametrize("seed", [None, 5])
+def test_noise_generator_is_not_a_32_bit_seed(seed):
+    """With 2^32 possible noise streams an attacker holding the released weights could try them
+    all: the engine's generator state must not come from ``manual_seed`` (the check recognises
+    any manual_seed state), and seeds differing above bit 32 draw different noise."""
+    assert _is_a_32_bit_seed_state(torch.Generator().manual_seed(2**40 + 7).get_state())
+    engine = DPEngine(llama(), DPConfig(noise_multiplier=1.0, expected_batch_size=4, seed=seed))
+    assert not _is_a_32_bit_seed_state(engine.noise_state())
+    if seed is not None:
+        name = "model.layers.0.mlp.up_proj.weight"
+        low = noise_only_grads(llama(), DPConfig(noise_multiplier=1.0, expected_batch_size=4, seed=seed))
+        high = noise_only_grads(llama(), DPConfig(noise_multiplier=1.0, expected_batch_size=4, seed=seed + 2**32))
+        assert not torch.equal(low[name], high[name])

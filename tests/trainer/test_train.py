@@ -64,6 +64,7 @@ def test_training_spends_the_target_and_exports_a_servable_directory(tmp_path, t
     assert result["delta"] == pytest.approx(1 / (2 * result["records"]))
     assert json.loads((tmp_path / REPORT).read_text()) == result
     assert json.loads((tmp_path / "model" / REPORT).read_text()) == result
+    assert result["secure_mode"] is False and "secure_release" not in result
     assert not (tmp_path / "checkpoint.pt").exists()
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
     start = AutoModelForCausalLM.from_pretrained(tiny_llama[0])
@@ -115,3 +116,27 @@ def test_a_resumed_reattention_run_reuses_its_released_frequencies(tmp_path, tin
 
     monkeypatch.setattr(train_module, "_release_frequencies", second_release)
     assert train(cfg, progress=False)["reattention"] is True
+
+
+def test_secure_mode_is_validated_with_the_option_names(tmp_path, tiny_llama):
+    good = tmp_path / "secure.yaml"
+    good.write_text("model: m\noutput_dir: o\nsecure_mode: true\n")
+    assert TrainConfig.from_file(good).secure_mode is True
+    with pytest.raises(ValueError, match="secure_mode must be true or false"):
+        config(tiny_llama, tmp_path, secure_mode="yes")
+    with pytest.raises(ValueError, match="secure_mode: true needs accountant: rdp"):
+        config(tiny_llama, tmp_path, secure_mode=True, accountant="pld")
+    with pytest.raises(ValueError, match="does not cover reattention"):
+        config(tiny_llama, tmp_path, secure_mode=True, reattention=True)
+
+
+def test_secure_training_spends_the_target_at_integer_orders(tmp_path, tiny_llama):
+    """Secure mode is calibrated and accounted with ``rdp_integer`` and records its grid release
+    (whose effective noise multiplier is at least the calibrated one)."""
+    cfg = config(tiny_llama, tmp_path, secure_mode=True)
+    result = train(cfg, progress=False)
+    assert result["secure_mode"] is True and result["accountant"] == "rdp_integer"
+    assert 0.97 * cfg.epsilon <= result["epsilon"] <= cfg.epsilon
+    assert result["secure_release"]["noise_multiplier"] >= result["noise_multiplier"]
+    assert result["noise_multiplier"] >= plan_run(config(tiny_llama, tmp_path), result["records"]).noise_multiplier
+    assert json.loads((tmp_path / REPORT).read_text()) == result

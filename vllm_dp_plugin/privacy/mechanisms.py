@@ -11,6 +11,40 @@ Calibrations (float64, exact formulas):
 * ``gaussian_mechanism``: ``analytic`` (Balle & Wang 2018, via dp-accounting) or ``classic``
   (sigma = Delta sqrt(2 ln(1.25/delta)) / eps, valid only for eps <= 1).
 The high-dimensional truncated Laplace (TrLaplace) lives in ``trlaplace.py``.
+
+Floating point. Every guarantee stated here is a theorem about real numbers: ``f(x) + Z`` with Z
+of the exact law. The code computes ``fl(f(x) + z)`` with z a float64 sample, and the set of
+floats that sum can take depends on f(x) (Mironov 2012): ``fl(1 + z)`` is always a multiple of
+2^-53, while ``0 + z`` is not whenever |z| < 1/2 and z's last bits are set, so "not a multiple of
+2^-53" separates the inputs 0 and 1 (an empirical audit found an output set of probability 18.6%
+under one and 0 under the other). A raw float release is not (epsilon, delta)-DP at any epsilon.
+Where this project computes such a release, and what can observe it:
+
+* DP-SGD (``trainer``): the noisy clipped sum of each step determines the gradients, the
+  optimizer state and the exported weights, which are published: observable (Jin et al. 2022
+  attack Opacus' float32 noisy gradients this way). ``secure_mode`` releases it as
+  ``noise.GridGaussian`` instead: the floats are a function of an integer vector (grid + exact
+  discrete Gaussian) whose law is the DP one. Re-Attention's token-frequency histogram
+  (``trainer.reattention``) is a float release that training uses the same way; secure mode
+  refuses Re-Attention.
+* The attention release (noisy state or tree, ``attention``): internal, never sent. Clients see
+  tokens sampled from logits computed from it (and, if they ask for ``logprobs``, those tokens'
+  log-probabilities: floats computed from it through the rest of the model). Post-processing
+  preserves DP only of a DP input, so these outputs inherit no theorem from a float release.
+  What holds: the float release is within float64 rounding (relative ~2^-52 per operation) of
+  the ideal DP release, and a token depends on it only through its sampling probabilities (or,
+  greedy, through comparisons of logits), so the tokens' law differs from the ideal
+  mechanism's by a total variation of the order of that rounding times how fast the
+  probabilities move: an additive delta we do not bound. The release's own low-order bits are
+  never sent; returned logprobs are floats of a long float computation from it, where no
+  distinguisher is known but none is excluded either.
+* Prompt privatization (``prompt``): the outputs are candidate tokens, but which candidate is
+  chosen (nearest to ``x_w + noise``, or the exponential mechanism's Gumbel-max) is decided by
+  comparisons of float64 quantities. The token reveals only which cell the float point fell in;
+  rounding moves the cell boundaries by ~2^-52 relative, so its law differs from the ideal one
+  by an unbounded-but-tiny total variation (Ilvento 2020 shows float exponential mechanisms
+  failing pure DP at the margins). Releasing the noisy vectors themselves would be a float
+  release (the privatizer returns ids only).
 """
 
 from __future__ import annotations
@@ -35,7 +69,11 @@ class NotDifferentiallyPrivateWarning(UserWarning):
 
 @dataclass(frozen=True)
 class Mechanism:
-    """A calibrated mechanism: ``f(x) + noise`` is (epsilon, delta)-DP when ``valid``.
+    """A calibrated mechanism: the ideal real-valued release ``f(x) + Z``, Z of law ``noise``, is
+    (epsilon, delta)-DP when ``valid``. The float64 sum ``f(x) + sample(...)`` is NOT: its
+    low-order bits depend on f(x) (module docstring, "Floating point"). Give it only to
+    computations whose outputs do not expose it (the internal releases listed there), or
+    release through ``noise.GridGaussian``.
 
     ``sensitivity`` is the bound on ``||f(x) - f(x')||`` in ``sensitivity_norm`` over neighbouring
     inputs (replace one record). ``valid = False`` marks a reproduction of a flawed calibration:

@@ -7,6 +7,19 @@ Two accountants: ``rdp`` (dp-accounting's Renyi accountant; the analysis the pap
 one fastDP uses) and ``pld`` (privacy-loss distributions, tighter). Neighbouring datasets differ
 by adding or removing one sample, dp-accounting's relation for Poisson subsampling (the one its
 amplification analysis holds for).
+
+``rdp_integer`` is the Renyi accountant at integer orders only: the accountant of secure mode,
+whose steps add discrete Gaussian noise to an integer vector (``privacy.noise.GridGaussian``,
+noise multiplier = integer sigma / integer sensitivity). At an integer order alpha, the sampled
+Gaussian's A_alpha = sum_k C(alpha, k) (1-q)^(alpha-k) q^k exp(k(k-1) / (2 s^2)) bounds the
+sampled discrete Gaussian in both directions: (i) D_alpha(mixture || P0) expands binomially into
+the moments E_P0[(P1/P0)^k] = exp(k(k-1) |mu|^2 / (2 sigma^2)) Theta(k mu) / Theta(0), where the
+lattice theta function Theta peaks at 0 (Canonne, Kamath & Steinke 2020); (ii) the reflection
+x -> mu - x swaps P0 and P1, so D_alpha(P0 || mixture) <= D_alpha(mixture || P0) as for the
+Gaussian (``tests/trainer/test_accounting.py`` has the proof and checks both exactly). Mixing
+over the rest of the batch and composing steps then go as for any Renyi bound. Fractional
+orders use a series specific to the continuous Gaussian and ``pld`` its loss distribution, which
+the discrete Gaussian does not meet at every epsilon.
 """
 
 from __future__ import annotations
@@ -25,8 +38,9 @@ from vllm_dp_plugin.privacy.validation import (
     check_positive,
 )
 
-TrainingAccountantKind = Literal["rdp", "pld"]
-ACCOUNTANTS: tuple[str, ...] = ("rdp", "pld")
+TrainingAccountantKind = Literal["rdp", "pld", "rdp_integer"]
+ACCOUNTANTS: tuple[str, ...] = ("rdp", "pld", "rdp_integer")
+INTEGER_RDP_ORDERS = (*range(2, 64), 128, 256, 512, 1024)
 
 # Bisection stops when the bracket is this narrow relative to its lower end; the returned sigma
 # is the bracket's upper end, so it always meets the target and is at most 1e-3 relative too big
@@ -62,9 +76,9 @@ def noise_multiplier_for(
     check_epsilon(epsilon)
     check_delta(delta)
     target = Budget(epsilon, delta)
+    if accountant != "pld":
+        return _smallest_sigma(accountant, target, sample_rate, steps, start=1.0, shrink=0.5)
     rdp_sigma = _smallest_sigma("rdp", target, sample_rate, steps, start=1.0, shrink=0.5)
-    if accountant == "rdp":
-        return rdp_sigma
     return _smallest_sigma("pld", target, sample_rate, steps, start=rdp_sigma, shrink=0.8)
 
 
@@ -148,6 +162,8 @@ class TrainingAccountant:
 def _fresh_accountant(kind: TrainingAccountantKind):
     if kind == "pld":
         return pld_privacy_accountant.PLDAccountant(value_discretization_interval=PLD_DISCRETIZATION)
+    if kind == "rdp_integer":
+        return rdp_privacy_accountant.RdpAccountant(orders=INTEGER_RDP_ORDERS)
     return rdp_privacy_accountant.RdpAccountant()
 
 

@@ -14,6 +14,17 @@ a weight tied between an ``nn.Embedding`` and an output ``nn.Linear`` by Phantom
 private float32-or-wider accumulator. ``finish_step`` adds ``N(0, (sigma C)^2)`` noise once per
 parameter, divides by the expected batch size B and writes ``p.grad``.
 
+Floating point: that float release ``clipped sum + fl(sigma C xi)`` is not DP as computed (its
+low-order bits depend on the clipped sum: Mironov 2012; Jin et al. 2022 for Opacus), and every
+gradient, optimizer state and exported weight is computed from it. ``secure_mode`` releases the
+whole noisy clipped sum (all parameters, one vector of d coordinates) as
+``privacy.noise.GridGaussian`` instead: snapped to a power-of-two grid plus exact discrete
+Gaussian noise, so everything after it is post-processing of an integer vector. Its noise std is
+at most about (1 + 1/1024) sigma C; it must be accounted with ``accounting``'s ``rdp_integer``. The
+residual assumption of both modes: the computed clipped sums of neighbouring batches differ by at
+most C (true in exact arithmetic; float32 rounding of the norms and sums can exceed it by a
+relative O(batch x 1e-7), not accounted).
+
 Supported trainable modules: ``nn.Linear``, Hugging Face ``Conv1D`` (GPT-2), ``nn.Embedding``
 (``padding_idx`` rows get no gradient), ``nn.LayerNorm`` (last dim), RMSNorm (``torch.nn.RMSNorm``
 and classes named ``*RMSNorm`` with ``weight`` and ``variance_epsilon``/``eps``, e.g. Llama's).
@@ -26,14 +37,15 @@ from its norm; the trainable parameters are fixed when the engine is built.
 Distributed (DDP-style data parallelism): give every rank the plain, unwrapped model with equal
 initial parameters, the same ``DPConfig`` (B = the global expected batch size) and its shard of
 the same Poisson draw (``sampling.shard_for_rank``). ``finish_step`` all-reduces the clipped sums
-itself; the noise is drawn on rank 0 only and added before the reduction, so every rank ends with
-the same ``.grad``. ``DistributedDataParallel`` wrappers are refused: their reducer would
-all-reduce parameter gradients that the engine never produces (it replaces that reducer).
+itself; the noise is drawn on rank 0 only and added before the reduction (secure mode: rank 0
+releases the reduced sum and broadcasts it), so every rank ends with the same ``.grad``.
+``DistributedDataParallel`` wrappers are refused: their reducer would all-reduce parameter
+gradients that the engine never produces (it replaces that reducer).
 """
 
 from __future__ import annotations
 
-import secrets
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -43,12 +55,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from vllm_dp_plugin.privacy.keyed_noise import fresh_generator, seeded_generator
+from vllm_dp_plugin.privacy.noise import GridGaussian
 from vllm_dp_plugin.privacy.validation import check_count, check_positive
 
 from . import norms
 
 Clipping = Literal["automatic", "flat"]
 NOISE_CHUNK = 1 << 24  # float64 noise is drawn in chunks of this many coordinates (128 MiB)
+GRID_CHUNK = 1 << 18  # secure mode: coordinates per exact sampler call (~120 MiB working memory)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,6 +76,8 @@ class DPConfig:
     ``"automatic"`` (AUTO-S, factor ``C / (n_i + gamma)``) or ``"flat"`` (Abadi,
     ``min(1, C / n_i)``); both bound each sample's contribution by C. ``seed``: ``None`` seeds
     the noise from OS entropy; an int makes it reproducible (tests) and must then stay secret.
+    ``secure_mode``: release the noisy clipped sum as a ``GridGaussian`` (no floating-point leak;
+    account it with ``rdp_integer``) instead of adding float Gaussian noise.
     """
 
     noise_multiplier: float
@@ -69,6 +86,7 @@ class DPConfig:
     clipping: Clipping = "automatic"
     gamma: float = 0.01
     seed: int | None = None
+    secure_mode: bool = False
 
     def __post_init__(self) -> None:
         if self.noise_multiplier != 0:
@@ -85,6 +103,8 @@ class DPConfig:
         check_positive(self.gamma, "gamma")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be None or an int, got {self.seed!r}")
+        if not isinstance(self.secure_mode, bool):
+            raise ValueError(f"secure_mode must be True or False, got {self.secure_mode!r}")  # noqa: TRY004
 
 
 # ---------- supported module kinds: the forward each assumes, per-parameter norms and sums ----------
@@ -388,7 +408,13 @@ class DPEngine:
         self._sums: dict[nn.Parameter, torch.Tensor] = {}
         self._calls: list[_Call] = []
         self._in_backward = False
-        self._generator = self._noise_generator(self._params[0].device)
+        self._generator = noise_generator(config.seed, "dp-sgd noise", self._params[0].device)
+        dim = sum(p.numel() for p in self._params)
+        self.secure_release = (  # secure mode: the release of the whole clipped sum
+            GridGaussian.calibrate(config.clip_norm, config.noise_multiplier, dim)
+            if config.secure_mode and config.noise_multiplier > 0
+            else None
+        )
         self._handles = [model.register_forward_pre_hook(self._start_forward)]
         self._handles += [m.register_forward_hook(self._capture, with_kwargs=True) for m in self._modules]
 
@@ -415,18 +441,27 @@ class DPEngine:
     def finish_step(self) -> None:
         """Write ``p.grad = (clipped sum + sigma C N(0, I)) / B`` for every trainable parameter
         (noise once per parameter, a tied weight included; parameters no sample reached get
-        noise only), all-reducing the clipped sums first under torch.distributed; then start a
-        new step."""
+        noise only; secure mode: ``p.grad = secure_release(clipped sums) / B``), all-reducing
+        the clipped sums under torch.distributed; then start a new step."""
         distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         noisy_rank = not distributed or dist.get_rank() == 0
-        for param in self._params:
-            total = self._sums.pop(param, None)
-            if total is None:
-                total = torch.zeros(param.shape, dtype=_accumulator_dtype(param), device=param.device)
-            if noisy_rank:
-                self._add_noise(total)
+        totals = [self._take_sum(param) for param in self._params]
+        if self.secure_release is None:
+            for total in totals:
+                if noisy_rank:
+                    self._add_noise(total)
+                if distributed:
+                    dist.all_reduce(total)
+        else:  # the grid release needs the whole sum: reduce, release on rank 0, broadcast
             if distributed:
-                dist.all_reduce(total)
+                for total in totals:
+                    dist.all_reduce(total)
+            if noisy_rank:
+                self._release_on_grid(totals)
+            if distributed:
+                for total in totals:
+                    dist.broadcast(total, src=0)
+        for param, total in zip(self._params, totals, strict=True):
             param.grad = (total / self.config.expected_batch_size).to(param.dtype)
 
     def noise_state(self) -> torch.Tensor:
@@ -509,9 +544,13 @@ class DPEngine:
 
     # ---- noise ----
 
-    def _noise_generator(self, device: torch.device) -> torch.Generator:
-        seed = secrets.randbits(63) if self.config.seed is None else self.config.seed
-        return torch.Generator(device=device).manual_seed(seed)
+    def _take_sum(self, param: nn.Parameter) -> torch.Tensor:
+        """The step's clipped sum of ``param`` (zeros if no sample reached it), removed from the
+        accumulator."""
+        total = self._sums.pop(param, None)
+        if total is None:
+            return torch.zeros(param.shape, dtype=_accumulator_dtype(param), device=param.device)
+        return total
 
     def _add_noise(self, total: torch.Tensor) -> None:
         """``total += sigma C xi``, ``xi ~ N(0, I)`` drawn in float64 and scaled before the cast."""
@@ -524,9 +563,28 @@ class DPEngine:
             )
             chunk.add_((noise * std).to(device=chunk.device, dtype=chunk.dtype))
 
+    def _release_on_grid(self, totals: list[torch.Tensor]) -> None:
+        """Overwrite the parameters' clipped sums with ``secure_release`` of their concatenation
+        (one vector of d coordinates, released in chunks of ``GRID_CHUNK``)."""
+        flat = torch.cat([total.reshape(-1).to(torch.float64) for total in totals])
+        for chunk in flat.split(GRID_CHUNK):
+            chunk.copy_(self.secure_release.release(chunk, self._generator))
+        for total, part in zip(totals, flat.split([t.numel() for t in totals]), strict=True):
+            total.copy_(part.view(total.shape))
+
 
 def _accumulator_dtype(param: torch.Tensor) -> torch.dtype:
     return torch.promote_types(param.dtype, torch.float32)
+
+
+def noise_generator(seed: int | None, stream: str, device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator whose whole state is secret: ``keyed_noise.fresh_generator`` (256 bits of OS
+    entropy) for ``seed=None``, else derived from SHA-256 of (``stream``, ``seed``) (reproducible,
+    e.g. tests). Never ``manual_seed``: torch's CPU generator keeps 32 bits of it, so an attacker
+    holding the released weights could search every noise stream."""
+    if seed is None:
+        return fresh_generator(device)
+    return seeded_generator(hashlib.sha256(f"vllm-dp/{stream}|{seed}".encode()).digest(), device)
 
 
 # ---------- losses and schedules for DP training ----------

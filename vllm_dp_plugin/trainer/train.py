@@ -9,6 +9,11 @@ smallest meeting (epsilon, delta) under the configured accountant; every step (a
 included) adds noise once. The training loss in the progress bar is computed on private records
 and is not privatised: it is for the operator, not for release. The released artefact is the
 model directory (weights, tokenizer) and ``dp_training.json`` (the guarantee).
+
+``secure_mode: true`` releases each step's noisy clipped sum on a grid with exact discrete
+Gaussian noise (``engine``: the float release leaks through its low-order bits into every
+weight), accounted with Renyi DP at integer orders (``rdp_integer``); it needs
+``accountant: rdp`` and no Re-Attention (whose token-frequency histogram is a float release).
 """
 
 from __future__ import annotations
@@ -18,7 +23,6 @@ import json
 import logging
 import math
 import os
-import secrets
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -26,9 +30,16 @@ from typing import Literal
 import torch
 
 from ..privacy.mechanisms import Mechanism, gaussian_from_noise_multiplier
+from ..privacy.noise import GridGaussian
 from ..privacy.validation import check_count, check_delta, check_epsilon, check_positive
 from .accounting import TrainingAccountant, noise_multiplier_for
-from .engine import DPConfig, DPEngine, causal_lm_per_sample_loss, warmup_linear_decay_scheduler
+from .engine import (
+    DPConfig,
+    DPEngine,
+    causal_lm_per_sample_loss,
+    noise_generator,
+    warmup_linear_decay_scheduler,
+)
 from .reattention import (
     ReAttentionConfig,
     apply_reattention,
@@ -69,6 +80,7 @@ class TrainConfig:
     reattention_lambda: float = 1.0  # spec 4.5 lambda: scales every parameter variance
     frequency_noise: float = 20.0  # noise multiplier of the DP histogram of p_v (Re-Attention only)
     checkpoint_every: int = 50  # steps
+    secure_mode: bool = False  # grid + discrete Gaussian release of each step (module docstring)
 
     def __post_init__(self) -> None:
         check_epsilon(self.epsilon, "epsilon")
@@ -83,6 +95,18 @@ class TrainConfig:
             raise ValueError("seq_len must be >= 2 (a record needs a next token to predict)")
         if self.optimizer not in ("adam", "sgd"):
             raise ValueError(f"optimizer must be 'adam' or 'sgd', got {self.optimizer!r}")
+        if not isinstance(self.secure_mode, bool):
+            raise ValueError(f"secure_mode must be true or false, got {self.secure_mode!r}")  # noqa: TRY004
+        if self.secure_mode and self.accountant != "rdp":
+            raise ValueError(
+                "secure_mode: true needs accountant: rdp (its discrete Gaussian is accounted at integer "
+                f"Renyi orders; the continuous Gaussian's PLD does not bound it), got {self.accountant!r}"
+            )
+        if self.secure_mode and self.reattention:
+            raise ValueError(
+                "secure_mode: true does not cover reattention: true (its token-frequency histogram is a "
+                "float Gaussian release that training uses); set one of them to false"
+            )
 
     @staticmethod
     def from_file(path: str | os.PathLike) -> TrainConfig:
@@ -148,13 +172,15 @@ def make_records(docs: list[str], tokenizer, seq_len: int) -> Records:
 @dataclass(frozen=True)
 class Plan:
     """What the run will spend: ``sample_rate`` q, ``steps``, ``noise_multiplier`` sigma and
-    ``delta`` of DP-SGD, and with Re-Attention the ``frequencies`` histogram's mechanism."""
+    ``delta`` of DP-SGD under ``accountant`` (``rdp_integer`` in secure mode), and with
+    Re-Attention the ``frequencies`` histogram's mechanism."""
 
     records: int
     sample_rate: float
     steps: int
     noise_multiplier: float
     delta: float
+    accountant: str
     frequencies: Mechanism | None = None
 
 
@@ -176,8 +202,9 @@ def plan_run(config: TrainConfig, records: int) -> Plan:
             raise ValueError(f"the p_v histogram alone spends epsilon {histogram.epsilon:.3g} >= {config.epsilon}: "
                              "raise frequency_noise or epsilon")
     epsilon = config.epsilon - (histogram.epsilon if histogram else 0.0)
-    sigma = noise_multiplier_for(epsilon, delta, rate, steps, accountant=config.accountant)
-    return Plan(records, rate, steps, sigma, delta, histogram)
+    accountant = "rdp_integer" if config.secure_mode else config.accountant
+    sigma = noise_multiplier_for(epsilon, delta, rate, steps, accountant=accountant)
+    return Plan(records, rate, steps, sigma, delta, accountant, histogram)
 
 
 def train(config: TrainConfig, progress: bool = True, stop_after: int | None = None) -> dict:
@@ -201,6 +228,7 @@ def train(config: TrainConfig, progress: bool = True, stop_after: int | None = N
     engine = DPEngine(model, DPConfig(
         clip_norm=config.clip_norm, noise_multiplier=plan.noise_multiplier,
         expected_batch_size=config.batch_size, clipping=config.clipping, seed=config.seed,
+        secure_mode=config.secure_mode,
     ))
     state = _checkpoint(out / CHECKPOINT, config)
     token_p = None
@@ -210,7 +238,7 @@ def train(config: TrainConfig, progress: bool = True, stop_after: int | None = N
                                                    token_p=token_p, lam=config.reattention_lambda))
     optimizer = _optimizer(config, model)
     scheduler = warmup_linear_decay_scheduler(optimizer, plan.steps, config.warmup_frac)
-    accountant = TrainingAccountant(plan.noise_multiplier, plan.sample_rate, plan.delta, accountant=config.accountant)
+    accountant = TrainingAccountant(plan.noise_multiplier, plan.sample_rate, plan.delta, accountant=plan.accountant)
     sampler = PoissonSampler(len(data), plan.sample_rate, plan.steps, seed=config.seed)
     start = _restore(state, model, optimizer, scheduler, sampler, engine) if state else 0
     if start:
@@ -239,16 +267,15 @@ def train(config: TrainConfig, progress: bool = True, stop_after: int | None = N
     engine.detach()
     if config.reattention:
         remove_reattention(model)  # served models run plain attention (README: DP training)
-    return export(model, tokenizer, out, report(config, plan, accountant))
+    return export(model, tokenizer, out, report(config, plan, accountant, engine.secure_release))
 
 
 def _release_frequencies(config: TrainConfig, plan: Plan, data: Records, model) -> torch.Tensor:
     """Re-Attention's token frequencies ``p_v: [V]``: the Gaussian histogram ``plan.frequencies``
     of the records (L2 sensitivity sqrt(seq_len)), released once per run."""
-    seed = secrets.randbits(63) if config.seed is None else config.seed + 1
     ids = data.ids.masked_fill(data.mask == 0, 0)  # id 0 stands for padding here (not counted)
     released = dp_sequence_frequencies(ids, model.config.vocab_size, config.frequency_noise,
-                                       torch.Generator().manual_seed(seed), plan.delta, pad_id=0)
+                                       noise_generator(config.seed, "token frequencies"), plan.delta, pad_id=0)
     if released.mechanism.epsilon != plan.frequencies.epsilon:
         raise RuntimeError("the p_v histogram differs from the one the plan accounted")
     return released.token_p
@@ -308,10 +335,12 @@ def _restore(state: dict, model, optimizer, scheduler, sampler: PoissonSampler, 
     return int(state["step"])
 
 
-def report(config: TrainConfig, plan: Plan, accountant: TrainingAccountant) -> dict:
+def report(config: TrainConfig, plan: Plan, accountant: TrainingAccountant,
+           secure_release: GridGaussian | None) -> dict:
     """The privacy statement of the run, in the units the guarantee is about. With Re-Attention
     the p_v histogram is a second release on the same records: the totals add both (basic
-    composition) and each part is listed."""
+    composition) and each part is listed. ``secure_release``: the engine's grid release in
+    secure mode (its grid, integer sigma and sensitivity are recorded)."""
     training, frequencies = accountant.epsilon(), plan.frequencies
     extra = {} if frequencies is None else {
         "training": {"epsilon": training, "delta": plan.delta},
@@ -331,9 +360,11 @@ def report(config: TrainConfig, plan: Plan, accountant: TrainingAccountant) -> d
         "noise_multiplier": plan.noise_multiplier,
         "clip_norm": config.clip_norm,
         "clipping": config.clipping,
-        "accountant": config.accountant,
+        "accountant": plan.accountant,
         "optimizer": config.optimizer,
         "reattention": config.reattention,
+        "secure_mode": config.secure_mode,
+        **({} if secure_release is None else {"secure_release": secure_release.report()}),
     }
 
 
