@@ -8,7 +8,8 @@ A script (CPU vLLM forces spawn, hence the __main__ guard) driven by a JSON job:
 cache rows the DP backend collected as private with NaN) or ``{"cross_releases": true}``
 (per worker: the DP cross-attention releases each layer holds) or ``{"release_checksums": true}``
 (every worker's decoder releases, merged by global KV head) or ``{"layer_report": true}`` (the
-start-up layer check's worker method, per worker); the poison step also reports, per
+start-up layer check's worker method, per worker) or ``{"arrivals": [[after, hz, max_tokens], ...]}``
+(Whisper requests joining a running engine, see ``arrivals_step``); the poison step also reports, per
 worker and layer, whether the fused CPU kernel answers the exact public part. A generation step with
 ``"dp_options": {...}`` runs inside ``prompt_request(**options)`` (prompt privatization) and also
 returns the receipts (``receipts``, ``accessor_receipts``), or ``{"error": message}``.
@@ -82,6 +83,31 @@ def whisper_prompts(frequencies):
     ]
 
 
+def arrivals_step(llm, arrivals):
+    """Request ``i`` (a 1 s clip at ``hz``, greedy, ``max_tokens`` ignoring EOS) joins once ``after``
+    engine steps have run (None: once the engine is idle); steps until every request finished.
+    Returns each request's token ids and, after every step, ``cross_releases`` per worker."""
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    prompts = whisper_prompts([hz for _, hz, _ in arrivals])
+    tokens, held, steps, added = {}, [], 0, 0
+    while added < len(arrivals) or engine.has_unfinished_requests():
+        while added < len(arrivals):
+            after = arrivals[added][0]
+            if engine.has_unfinished_requests() and (after is None or steps < after):
+                break
+            params = SamplingParams(temperature=0.0, max_tokens=arrivals[added][2], ignore_eos=True)
+            engine.add_request(str(added), prompts[added], params)
+            added += 1
+        for out in engine.step():
+            if out.finished:
+                tokens[int(out.request_id)] = list(out.outputs[0].token_ids)
+        steps += 1
+        held.append(llm.collective_rpc(cross_releases))
+    return {"token_ids": [tokens[i] for i in range(len(arrivals))], "cross_releases": held}
+
+
 def prompt_step(llm, step):
     from vllm_dp_plugin.prompt.session import prompt_request
 
@@ -107,6 +133,8 @@ def run_step(llm, step):
                 "fused_exact": llm.collective_rpc(fused_exact_layers)}
     if step.get("layer_report"):
         return {"layer_report": llm.collective_rpc("dp_privacy_layers")}
+    if "arrivals" in step:
+        return arrivals_step(llm, step["arrivals"])
     if step.get("cross_releases"):
         return {"cross_releases": llm.collective_rpc(cross_releases)}
     if step.get("release_checksums"):

@@ -1,9 +1,14 @@
 """Shared helpers of the vLLM end-to-end tests: engines in subprocesses, a demo deployment."""
 
+import contextlib
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import yaml
@@ -29,6 +34,41 @@ def run_engine(job: dict, vllm_plugins: str | None = "dp_privacy", env: dict | N
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, (proc.stdout[-2000:], proc.stderr[-6000:])
     return json.loads(lines[-1][len("RESULT "):])
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def vllm_dp_server(argv: list[str], log_path: Path, timeout: float = 400):
+    """``vllm-dp serve *argv`` on a free local port (output to ``log_path``), yields its base URL
+    once ``/health`` answers; stops the server's process group on exit."""
+    port = free_port()
+    cli = str(Path(sys.executable).with_name("vllm-dp"))  # the console script of this venv
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"}
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(
+            [cli, "serve", *argv, "--host", "127.0.0.1", "--port", str(port)],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env,
+        )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            assert proc.poll() is None, log_path.read_text()[-4000:]
+            assert time.monotonic() < deadline, f"server did not come up in {timeout} s"
+            try:
+                urllib.request.urlopen(base + "/health", timeout=2)
+                break
+            except OSError:
+                time.sleep(2)
+        yield base
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
 
 
 def dp_section(tmp: Path, epsilon: float, **attention) -> dict:

@@ -34,8 +34,8 @@ from vllm.v1.attention.backends.cpu_attn import (
 from ..attention.merge import AttentionPart, merge_parts
 from ..attention.paged import BatchLayout, PublicQueries, causal_part, gather_spans
 from ..attention.private_context import HeadLayout, PrivateContextLayer
-from ..kernels.paged_exact import fused_available, paged_exact
 from ..config import ConfigError
+from ..kernels.paged_exact import fused_available, paged_exact
 from ..privacy.keyed_noise import NoiseKey, context_id
 from .settings import (
     budget_payload,
@@ -67,8 +67,30 @@ class DPBuilderMixin:
         positions = cm.positions[:num_tokens].cpu() if cm.positions is not None else None
         seq_lens = cm.seq_lens.cpu()
         md.dp_layout = BatchLayout(cm.query_start_loc_cpu, seq_lens, positions, cm.block_table_tensor)
-        md.dp_new_encoder_lens = cm.encoder_seq_lens_cpu  # cross-attention: rows written now
+        md.dp_new_encoder_lens = _new_encoder_rows(cm.encoder_seq_lens_cpu, md.dp_layout)
         return md
+
+
+def _new_encoder_rows(encoder_lens, layout: BatchLayout) -> torch.Tensor | None:
+    """Cross-attention: ``[B]`` encoder rows arriving in this step per request, else None.
+
+    ``encoder_lens`` is vLLM's ``encoder_seq_lens_cpu``: every scheduled request's encoder length,
+    whether its encoder ran now or not (vLLM's cross-attention builder zeroes decoding requests
+    before us; this does not rely on it). vLLM runs an encoder-decoder request's encoder in the
+    request's first step only (encoder inputs are scheduled at ``num_computed_tokens == 0``;
+    these models have neither chunked prefill nor prefix caching, a preempted request restarts
+    from 0): the step whose first query sits at position 0.
+    """
+    if encoder_lens is None:
+        return None
+    if layout.positions is None:
+        raise ValueError("vllm-dp: cross-attention metadata without positions")
+    b = layout.num_requests
+    starts, ends = layout.query_start[:b].long(), layout.query_start[1 : b + 1].long()
+    scheduled = ends > starts
+    first_step = torch.zeros(b, dtype=torch.bool)
+    first_step[scheduled] = layout.positions[starts[scheduled]] == 0
+    return torch.where(first_step, torch.as_tensor(encoder_lens[:b], dtype=torch.long), 0)
 
 
 class DPImplMixin:
@@ -95,7 +117,7 @@ class DPImplMixin:
             vllm_config.model_config.get_total_num_kv_heads(), self.num_heads * tp, tp, rank
         )
         self._layer: PrivateContextLayer | None = None  # decoder: created on first use
-        self._cross: dict[int, PrivateContextLayer] = {}  # enc-dec: first block id -> release
+        self._cross: dict[int, PrivateContextLayer] = {}  # enc-dec: first block -> release, last step's requests
         self._cross_plans: dict = {}  # enc-dec: encoder length -> ContextPlan
         _validate_once(vllm_config)
         if self.attn_type == AttentionType.DECODER:
@@ -188,35 +210,56 @@ class DPImplMixin:
 
     # ------------------------------------------------------------------ encoder-decoder
     def _cross_forward(self, layer, query, key, value, md, output):
+        """Cross-attention answered from releases only. ``query, output: [T, H, D]``;
+        ``key, value: [N, H_kv, D]``, the encoder outputs arriving in this step, or None.
+
+        Keeps the releases of this step's requests only (memory stays bounded; a block freed by a
+        finished request and reused never reads the old release): in encoder-decoder models vLLM
+        schedules every running request in every step (no chunked prefill, one budget token per
+        decode, max_num_seqs <= max_num_batched_tokens), so a request missing from a step has
+        finished, or was preempted and re-runs its encoder (a new release, same keyed noise).
+        """
         lay = md.dp_layout
-        if key is not None:
-            self._release_encoder_outputs(layer, key, value, md)
-        for r in range(lay.num_requests):
+        self._release_encoder_outputs(layer, key, value, md)
+        queried = [r for r in range(lay.num_requests) if lay.tokens(r).stop > lay.tokens(r).start]
+        blocks = {r: int(lay.block_table[r, 0]) for r in queried}
+        if any(b not in self._cross for b in blocks.values()):
+            raise RuntimeError(
+                "vllm-dp: a decoding request has no cross-attention release (its encoder output did "
+                "not arrive in its first step, or it was not scheduled in every step since)"
+            )
+        self._cross = {b: self._cross[b] for b in blocks.values()}
+        for r, block in blocks.items():
             tokens = lay.tokens(r)
-            if tokens.stop == tokens.start:
-                continue
-            dp = self._cross[int(lay.block_table[r, 0])]
-            out = dp.answer(query[tokens]).out.transpose(0, 1)
+            out = self._cross[block].answer(query[tokens]).out.transpose(0, 1)
             output[tokens] = out.to(output.dtype).view(output[tokens].shape)
         return output
 
     def _cross_plan(self, n: int):
         """The (public) plan of an encoder output of ``n`` rows, built once per length."""
         if n not in self._cross_plans:
-            self._cross_plans[n] = context_plan(self._vllm_config, "cross_attention", n)
+            self._cross_plans[n] = context_plan(self._vllm_config, "cross_attention", n, self.scale)
         return self._cross_plans[n]
 
     def _release_encoder_outputs(self, layer, key, value, md) -> None:
-        """One release per request whose encoder K/V arrive now (rows in request order)."""
-        lay, new_lens = md.dp_layout, md.dp_new_encoder_lens
+        """One keyed release per request whose encoder ran in this step, under its first block.
+
+        ``key, value: [N, H_kv, D]`` (None if no encoder ran) are those requests' encoder outputs
+        concatenated in batch order, ``N = sum(md.dp_new_encoder_lens)``: the order in which
+        vLLM's cross-attention slot mapping writes them to the requests' caches (the V1 runner
+        concatenates them in scheduling order, which is the order new requests enter the batch;
+        the MRV2 runner sorts them by batch index)."""
+        lay, new_rows = md.dp_layout, md.dp_new_encoder_lens
+        if (0 if key is None else key.shape[0]) != int(new_rows.sum()):
+            raise RuntimeError(
+                "vllm-dp: the encoder rows of this step do not match the requests at their first "
+                "step; they cannot be attributed to requests"
+            )
         index = extract_layer_index(layer.layer_name)
-        start = 0
-        for r in range(lay.num_requests):
-            n = int(new_lens[r]) if new_lens is not None else 0
-            if n == 0:
-                continue
-            k, v = key[start : start + n], value[start : start + n]
-            start += n
+        ends = torch.cumsum(new_rows, 0).tolist()
+        for r in torch.nonzero(new_rows).flatten().tolist():
+            n = int(new_rows[r])
+            k, v = key[ends[r] - n : ends[r]], value[ends[r] - n : ends[r]]
             dp = self._cross_plan(n).layer(index, self._heads)
             dp.collect(torch.arange(n), k, v)
             ident = context_id(k.detach().cpu().float().numpy().tobytes() + v.detach().cpu().float().numpy().tobytes())
