@@ -71,15 +71,15 @@ class AttentionPrivacyConfig:
     allow_rerelease: bool = False
 
     def __post_init__(self) -> None:
-        _check(check_epsilon, self.epsilon, "attention.epsilon")
-        _check(check_delta, self.delta, "attention.delta")
+        _check_field(self, "epsilon", check_epsilon, "attention.epsilon")
+        _check_field(self, "delta", check_delta, "attention.delta")
         _choice(self.mode, ("state", "tree"), "attention.mode")
         _choice(self.mechanism, STATE_MECHANISMS, "attention.mechanism")
         _choice(self.composition, COMPOSITIONS, "attention.composition")
         _choice(self.features, ("taylor", "prf"), "attention.features")
         if self.degree is not None and (not isinstance(self.degree, int) or self.degree < 0):
             raise ConfigError(f"attention.degree must be an integer >= 0, got {self.degree!r}")
-        _check(check_positive, self.kernel_error, "attention.kernel_error")
+        _check_field(self, "kernel_error", check_positive, "attention.kernel_error")
         for name in ("num_layers", "num_kv_heads", "releases_per_head", "max_features",
                      "num_random_features", "max_context"):
             value = getattr(self, name)
@@ -167,14 +167,14 @@ class PromptPrivacyConfig:
 
     def __post_init__(self) -> None:
         _choice(self.mechanism, MECHANISMS, "prompt.mechanism")
-        _check(check_epsilon, self.epsilon, "prompt.epsilon")
-        _check(check_delta, self.delta, "prompt.delta")
+        _check_field(self, "epsilon", check_epsilon, "prompt.epsilon")
+        _check_field(self, "delta", check_delta, "prompt.delta")
         if self.effective_dim is not None:
             _check(check_count, self.effective_dim, "prompt.effective_dim")
         for name in ("center", "allow_request_override", "cache_history"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"prompt.{name} must be true or false, got {getattr(self, name)!r}")
-        _check(check_positive, self.clip_quantile, "prompt.clip_quantile")
+        _check_field(self, "clip_quantile", check_positive, "prompt.clip_quantile")
         if not self.clip_quantile <= 1.0:
             raise ConfigError(f"prompt.clip_quantile must lie in (0, 1], got {self.clip_quantile!r}")
         _check(check_count, self.topk, "prompt.topk")
@@ -183,7 +183,7 @@ class PromptPrivacyConfig:
         _choice(self.search_device, SEARCH_DEVICES, "prompt.search_device")
         _choice(self.mode, PROMPT_MODES, "prompt.mode")
         if self.max_epsilon is not None:
-            _check(check_epsilon, self.max_epsilon, "prompt.max_epsilon")
+            _check_field(self, "max_epsilon", check_epsilon, "prompt.max_epsilon")
             if self.epsilon > self.max_epsilon:
                 raise ConfigError(
                     f"prompt.epsilon={self.epsilon:g} exceeds prompt.max_epsilon={self.max_epsilon:g}"
@@ -269,11 +269,17 @@ def _no_unknown_keys(raw: dict, section_cls: type, where: str) -> None:
         raise ConfigError(f"{where}: unknown key(s) {unknown}; known keys are {sorted(known)}")
 
 
-def _check(check, value, name: str) -> None:
+def _check(check, value, name: str):
     try:
-        check(value, name)
+        return check(value, name)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+
+
+def _check_field(config, field: str, check, name: str) -> None:
+    """Check a number field and store it as the float the check returns: YAML reads ``1e-6``
+    (no dot) as the string "1e-6", which must not reach the accountant as a string."""
+    object.__setattr__(config, field, _check(check, getattr(config, field), name))
 
 
 def _choice(value: str, allowed: tuple[str, ...], name: str) -> None:

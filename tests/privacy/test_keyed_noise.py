@@ -10,9 +10,13 @@ import pytest
 import torch
 from scipy import stats
 
-from vllm_dp_plugin.privacy import LaplaceNoise, NoiseKey, context_id
-from vllm_dp_plugin.privacy import keyed_noise
-from vllm_dp_plugin.privacy.keyed_noise import KEY_FILE_ENV, default_key_path, fresh_generator, seeded_generator
+from vllm_dp_plugin.privacy import LaplaceNoise, NoiseKey, context_id, keyed_noise
+from vllm_dp_plugin.privacy.keyed_noise import (
+    KEY_FILE_ENV,
+    default_key_path,
+    fresh_generator,
+    seeded_generator,
+)
 
 
 def noise(key, ctx, stream):

@@ -140,7 +140,7 @@ def test_budget_label_is_no_guessing_oracle(server):
     from vllm_dp_plugin.serving.context import tokenize_context
 
     base, model, section, log_path = server
-    ids = tokenize_context(open(section["attention"]["private_context"]).read(), AutoTokenizer.from_pretrained(model))
+    ids = tokenize_context(Path(section["attention"]["private_context"]).read_text(), AutoTokenizer.from_pretrained(model))
     unkeyed = hashlib.sha256(json.dumps({"model": model, "dp_privacy": section, "ids": ids}).encode()).hexdigest()
     _, budget = request(base + "/v1/dp/budget")
     label = budget["contexts"][0]["context"]

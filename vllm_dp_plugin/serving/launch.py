@@ -36,7 +36,7 @@ def allow_plugin() -> None:
 def resolved_config(path: str | Path) -> dict:
     """The ``dp_privacy`` section of a YAML/JSON file, validated, with file paths made absolute
     relative to the file (so the server can run from any directory)."""
-    cfg = DPPrivacyConfig.from_file(path)  # validates; raises ConfigError naming the key
+    DPPrivacyConfig.from_file(path)  # validates; raises ConfigError naming the key
     import yaml
 
     raw = yaml.safe_load(Path(path).read_text())
@@ -78,7 +78,7 @@ CONTEXT_SERVE_OPTIONS = frozenset("""
     disable-cascade-attn disable-custom-all-reduce
     tensor-parallel-size pipeline-parallel-size distributed-executor-backend
     distributed-timeout-seconds master-addr master-port attention-backend
-""".split())
+""".split())  # noqa: SIM905
 SHORT_OPTIONS = {"-tp": "tensor-parallel-size", "-pp": "pipeline-parallel-size"}
 DP_BACKEND = "CUSTOM"  # the DP attention backend on CUDA (registered by the general plugin)
 
@@ -91,7 +91,7 @@ def option_names(argv: list[str]) -> list[str]:
             names.append(SHORT_OPTIONS[arg])
         elif arg.startswith("--"):
             name = arg[2:].split("=", 1)[0]
-            names.append(name[3:] if name.startswith("no-") else name)
+            names.append(name.removeprefix("no-"))
         elif arg.startswith("-") and len(arg) > 1 and not arg[1].isdigit():
             names.append(arg)
     return names
