@@ -14,10 +14,10 @@ def test_paged_kv_returns_the_rows_the_kernel_wrote(dtype):
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     from vllm_dp_plugin.attention.paged import gather_spans
-    from vllm_dp_plugin.serving.backend import DPCPUImpl
+    from vllm_dp_plugin.serving.backend import DPCPUImpl, dp_attn_isa
 
     blocks, heads, block_size, d = 5, 2, 32, 64
-    isa = _get_attn_isa(dtype, block_size, d, "auto")
+    isa = dp_attn_isa(_get_attn_isa(dtype, block_size, d, "auto"))  # bf16 on AMX CPUs: amx -> vec
     kv_cache = torch.zeros(blocks, heads, block_size, 2 * d, dtype=dtype)
     key_cache, value_cache = kv_cache.view(blocks, heads, 2 * block_size, d).chunk(2, dim=2)
     n = 70

@@ -299,7 +299,20 @@ def _validate_once(vllm_config) -> None:
 
 
 class DPCPUBuilder(DPBuilderMixin, CPUAttentionMetadataBuilder):
-    pass
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        isa = dp_attn_isa(self.isa)
+        if self._dp_enabled and isa != self.isa:
+            self.isa = isa
+            self._set_isa_to_layers(self.layer_names)
+
+
+def dp_attn_isa(isa: str) -> str:
+    """The CPU attention ISA with DP on: vLLM's choice, except ``amx`` (bf16 caches on AMX CPUs),
+    which stores K blocks in VNNI tiles (16 rows x pairs of dimensions) that the DP path cannot
+    view as rows without copying the cache: the ``vec`` kernels write and read K row- or
+    dimension-major instead (the private prefill runs on them; decode reads go through the DP path)."""
+    return "vec" if isa == "amx" else isa
 
 
 class DPCPUImpl(DPImplMixin, CPUAttentionBackendImpl):
