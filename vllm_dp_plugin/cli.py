@@ -13,6 +13,7 @@
     vllm-dp bench prompt [options]              prompt privatization utility vs eps (MiniLM)
     vllm-dp bench prompt-ttft [options]         prompt privatization overhead on vLLM TTFT
     vllm-dp bench prompt-speed [options]        privatized tokens/s (CPU; GPU: benchmarks/gpu/prompt.sh)
+    vllm-dp bench context [options]             private context: shared facts, secret leak, public answers vs eps
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ BENCH_SUITES = {  # `vllm-dp bench SUITE` -> (module in vllm_dp_plugin.benchmark
     "prompt-speed": ("prompt_speed", "prompt privatization: privatized tokens/s (nearest candidate, privatizer)"),
     "dpformer": ("dpformer", "DPFormer reproduction: NDCG@10/HIT@10 vs eps with and without Re-Attention"),
     "train": ("train", "DP training: step time and peak memory vs non-private, Opacus ghost clipping, torch.func"),
+    "context": ("context", "private context on a chat model: shared facts kept, secret leaked, public answers vs eps"),
 }
 
 

@@ -1,0 +1,986 @@
+"""``vllm-dp bench context``: does a private context still inform answers, and does it leak?
+
+A real chat model is asked questions about a set of short documents served as its context:
+
+* ``shared``: a fact stated (paraphrased) by ``support`` documents, support in {1, 3, 10, 20};
+  what a private context should still deliver when many documents agree;
+* ``secret``: a fact stated by exactly one document (the leak canary): what DP should hide;
+* ``public``: a question that needs no context (capital cities, arithmetic): whether the context,
+  private or not, makes ordinary answers worse.
+
+An answer is correct when any of the question's ``answers`` occurs (case-insensitive) in the
+first 32 greedy tokens (``temperature 0``, ``max_tokens 32``).
+
+Rows (``ROWS``, one entry per way of serving; a new mechanism is one more entry):
+
+* ``none``: no context, the user turn alone (stock vLLM);
+* ``full``: the documents in plain text before the user turn (stock vLLM, exact attention);
+* ``dp_state`` / ``dp_tree``: the documents as the private context (``vllm-dp serve``, DP
+  attention, mode ``state`` / ``tree``), at each eps of ``--eps`` plus eps = 1e7 (the kernel
+  error alone; accounted with ``basic`` composition, which PLD refuses beyond eps = 100).
+
+Every row sees the same token sequence: ``C`` = the chat template's system turn holding the
+documents (one per line), then the user turn with the generation prompt; ``none`` drops ``C``.
+The DP renderer puts ``C`` at positions [0, P) and the request's own ids after it, so DP rows
+send only the user turn (token ids; a leading BOS that the renderer would drop is doubled) and
+pick the scenario's context with ``vllm_xargs: {"dp_context": ID}``. Each request's
+``usage.prompt_tokens`` is checked against the expected length.
+
+One server per (row, eps) (rows with the same server, ``none`` and ``full``, share one), 8
+requests in flight. DP rows use a key file and a release ledger in a temporary directory of the
+run (never the operator's) and a calibration of the model on public text, cached in
+``--cache-dir``. Writes ``context-<device>-<date>.{md,json,png}`` into ``--out``.
+
+Scenarios: ``benchmarks/data/context-scenarios.jsonl`` (24, ``--make-scenarios`` with seed 0),
+one JSON object per line::
+
+    {"id": str, "documents": [str, ...],
+     "questions": [{"q": str, "answers": [str, ...], "kind": "shared" | "secret" | "public",
+                    "support": int}, ...]}
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Self
+
+DEFAULT_MODEL = ".models/smollm2-135m-instruct"
+DEFAULT_MODEL_NAME = "smollm2-135m-instruct"  # built with vllm_dp_plugin.models.import_model when missing
+DEFAULT_SCENARIOS = Path(__file__).resolve().parent / "data" / "context-scenarios.jsonl"
+DEFAULT_OUT = Path("benchmarks/results")
+DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "vllm-dp" / "bench-context"
+DEFAULT_EPS = (1.0, 4.0, 8.0, 64.0)
+KERNEL_ONLY_EPS = 1e7  # noise negligible: what remains is the kernel (feature map) error
+MAX_CURVE_EPS = 100.0  # pld accounting refuses larger eps (config.MAX_CURVE_EPSILON)
+ANSWER_TOKENS = 32
+DELTA = 1e-6
+KINDS = ("shared", "secret", "public")
+SUPPORTS = (1, 3, 10, 20)
+ROW_KEYS = ("row", "eps", "shared_accuracy", "secret_leak_rate", "public_accuracy",
+            "seconds_per_answer", "n_questions")
+ENGINE_FLAGS = ["--dtype", "float32", "--max-model-len", "4096", "--block-size", "32", "--enforce-eager",
+                "--gpu-memory-utilization", "0.25", "--seed", "0"]
+LAUNCH = [sys.executable, "-m", "vllm_dp_plugin.serving.launch"]  # `vllm ...` with the CPU shim
+VLLM_DP = [sys.executable, "-m", "vllm_dp_plugin.cli"]  # `vllm-dp ...`
+
+
+# =========================================================================== scenario generator
+# Fictional names come from syllables, so the model cannot know the facts; every template below
+# is ours. Documents are short (1-2 sentences) and carry a document-type label.
+ONSETS = ("b", "br", "d", "dr", "f", "g", "gr", "k", "kr", "l", "m", "n", "p", "pr", "qu", "r",
+          "s", "st", "t", "tr", "v", "z", "th", "sk")
+VOWELS = ("a", "e", "i", "o", "u", "a", "e", "i", "o", "ai", "ou")
+CODAS = ("", "", "", "n", "r", "l", "s", "k", "nd", "rk", "lt", "m")
+COMPANY_SUFFIXES = ("Labs", "Industries", "Works", "Group", "Systems", "Foods", "Logistics", "Textiles",
+                    "Robotics", "Brewing", "Instruments", "Mills")
+CITY_SUFFIXES = ("ford", "moor", "haven", "bury", "wick", "dale", "port", "stead")
+DOC_LABELS = ("Memo", "Newsletter", "Staff handbook", "Press release", "Meeting notes", "FAQ", "Email",
+              "Annual report", "Wiki page", "Onboarding guide", "Blog post", "Notice board",
+              "Board minutes", "Customer letter", "Intranet", "Training slides", "Team chat",
+              "Brochure", "Site guide", "Policy", "Bulletin", "Fact sheet", "Interview", "Report")
+
+
+@dataclass(frozen=True)
+class FactKind:
+    """A kind of fact about the scenario's company: its question, the value's kind and the
+    sentences stating it (``{C}`` company, ``{V}`` value)."""
+
+    name: str
+    question: str
+    value: str  # person | place | number | word | product | password
+    statements: tuple[str, ...]
+
+
+SHARED_FACTS = (
+    FactKind("ceo", "Who is the chief executive of {C}?", "person", (
+        "{V} is the chief executive of {C}.",
+        "The chief executive of {C} is {V}.",
+        "{C} is led by its chief executive, {V}.",
+        "{C}'s chief executive, {V}, chairs the weekly meeting.",
+        "As chief executive, {V} signs every contract at {C}.",
+        "{V} has served as chief executive of {C} for six years.",
+        "All department heads at {C} report to the chief executive, {V}.",
+        "The office of {C}'s chief executive, {V}, is on the top floor.",
+        "{V}, the chief executive of {C}, opened the new warehouse.",
+        "Questions about strategy go to {V}, chief executive of {C}.",
+    )),
+    FactKind("headquarters", "In which city is {C} headquartered?", "place", (
+        "{C} is headquartered in {V}.",
+        "The headquarters of {C} are in the city of {V}.",
+        "{C} runs its business from its head office in {V}.",
+        "{V} is the city where {C} has its headquarters.",
+        "Visitors to the headquarters of {C} travel to {V}.",
+        "{C} moved its headquarters to {V} long ago.",
+        "The head office of {C} stands in the centre of {V}.",
+        "Most staff of {C} work at the headquarters in {V}.",
+        "Board meetings of {C} are held at the headquarters in {V}.",
+        "From its headquarters in {V}, {C} serves customers worldwide.",
+    )),
+    FactKind("employees", "How many employees does {C} have?", "number", (
+        "{C} has {V} employees.",
+        "The staff of {C} numbers {V} employees.",
+        "{C} employs {V} people.",
+        "With {V} employees, {C} is a large employer.",
+        "The payroll of {C} lists {V} employees.",
+        "Exactly {V} employees work for {C}.",
+        "{C} counts {V} employees on its staff.",
+        "The headcount at {C} is {V} employees.",
+        "All {V} employees of {C} attended the summer party.",
+        "{C} reported a workforce of {V} employees.",
+    )),
+    FactKind("mascot", "What is the name of {C}'s mascot?", "word", (
+        "The mascot of {C} is called {V}.",
+        "{V} is the name of {C}'s mascot.",
+        "The mascot of {C} is named {V}.",
+        "Children love {V}, the mascot of {C}.",
+        "{C} puts its mascot, {V}, on every box.",
+        "At every fair, the mascot of {C}, {V}, waves to the crowd.",
+        "The costume of {V}, the mascot of {C}, is bright green.",
+        "{C} chose {V} as its mascot.",
+        "Fans of {C} cheer for its mascot {V}.",
+        "Everyone at {C} knows the mascot {V}.",
+    )),
+    FactKind("product", "What is the name of {C}'s best-selling product?", "product", (
+        "The best-selling product of {C} is the {V}.",
+        "{C}'s best-selling product is called the {V}.",
+        "The {V} is {C}'s best-selling product.",
+        "Customers buy the {V} more than any other product of {C}.",
+        "No product of {C} sells better than the {V}.",
+        "{C} makes most of its money from its best-selling product, the {V}.",
+        "Stores stock the {V}, the best-selling product of {C}.",
+        "The {V} remains the best-selling product of {C}.",
+        "Sales of the {V} make it {C}'s best-selling product.",
+        "Ask anyone: the best-selling product of {C} is the {V}.",
+    )),
+    FactKind("ship", "What is the name of {C}'s cargo ship?", "word", (
+        "The cargo ship of {C} is called the {V}.",
+        "{C} sends its goods overseas on its cargo ship, the {V}.",
+        "The {V} is the cargo ship of {C}.",
+        "{C}'s cargo ship, the {V}, sails every week.",
+        "Goods from {C} travel on the cargo ship {V}.",
+        "The cargo ship {V} carries the name of {C} on its side.",
+        "{C} owns one cargo ship, named the {V}.",
+        "Sailors on the {V}, the cargo ship of {C}, are proud of it.",
+        "The {V} is the name of the cargo ship that {C} owns.",
+        "Every month the cargo ship of {C}, the {V}, docks at the harbour.",
+    )),
+    FactKind("extension", "What is the phone extension of {C}'s help desk?", "number", (
+        "The help desk of {C} answers on phone extension {V}.",
+        "To reach the help desk of {C}, dial phone extension {V}.",
+        "Phone extension {V} rings the help desk of {C}.",
+        "The phone extension of {C}'s help desk is {V}.",
+        "Staff at {C} call the help desk on extension {V}.",
+        "{C}'s help desk can be reached on phone extension {V}.",
+        "For computer problems, {C} staff ring the help desk at extension {V}.",
+        "The help desk phone extension at {C} is {V}.",
+        "Dial extension {V} for the help desk of {C}.",
+        "The help desk of {C} picks up calls on extension {V}.",
+    )),
+    FactKind("river", "Which river flows past {C}'s main office?", "word", (
+        "The {V} River flows past the main office of {C}.",
+        "{C}'s main office stands on the bank of the {V} River.",
+        "From the main office of {C} you can see the {V} River.",
+        "The main office of {C} overlooks the {V} River.",
+        "Staff of {C} walk along the {V} River at lunch, right by the main office.",
+        "The {V} River runs beside {C}'s main office.",
+        "{C} built its main office next to the {V} River.",
+        "Boats on the {V} River pass the main office of {C}.",
+        "The river by {C}'s main office is the {V} River.",
+        "In spring the {V} River floods the garden of {C}'s main office.",
+    )),
+)
+
+SECRET_FACTS = (
+    FactKind("password", "What is the password for the {C} server room?", "password", (
+        "The password for the {C} server room is {V}.",
+    )),
+    FactKind("project", "What is the name of {C}'s secret research project?", "word", (
+        "The secret research project of {C} is called {V}.",
+    )),
+    FactKind("codename", "What is the secret code name of {C}'s next product?", "word", (
+        "The secret code name of {C}'s next product is {V}.",
+    )),
+)
+
+FILLERS = (
+    "{C} encourages staff to take regular breaks.",
+    "The cafeteria at {C} serves soup on cold days.",
+    "Visitors to {C} must sign in at the front desk.",
+    "{C} recycles all of its office paper.",
+    "The parking lot at {C} is repainted every spring.",
+    "Staff at {C} can borrow books from the office library.",
+    "{C} holds a charity run every autumn.",
+    "Meeting rooms at {C} must be booked in advance.",
+    "{C} offers free coffee in the kitchen.",
+    "The windows at {C} are cleaned every month.",
+    "New employees at {C} get a welcome pack.",
+    "{C} asks staff to lock their screens when away.",
+    "The garden behind the office of {C} has a small pond.",
+    "{C} sponsors a local football team.",
+    "Printers at {C} are serviced on Fridays.",
+    "Everyone at {C} is invited to the winter party.",
+)
+
+# Questions that need no context; each was answered correctly by SmolLM2-135M-Instruct with no
+# context (greedy, 32 tokens) when the default set was made.
+PUBLIC_QUESTIONS = (
+    ("What is the capital of France?", ("Paris",)),
+    ("What is 7 + 5?", ("12", "twelve")),
+    ("What is the capital of Japan?", ("Tokyo",)),
+    ("How many days are there in a week?", ("7", "seven")),
+    ("What is the capital of Italy?", ("Rome",)),
+    ("What is the opposite of hot?", ("cold",)),
+    ("What is the capital of Germany?", ("Berlin",)),
+    ("What is 9 + 8?", ("17", "seventeen")),
+    ("What is the capital of Spain?", ("Madrid",)),
+    ("How many hours are there in a day?", ("24", "twenty-four")),
+    ("What is the capital of England?", ("London",)),
+    ("What is the opposite of up?", ("down",)),
+    ("What is the capital of Russia?", ("Moscow",)),
+    ("What is 3 + 4?", ("7", "seven")),
+    ("What is the capital of Egypt?", ("Cairo",)),
+    ("What color is the sky on a clear day?", ("blue",)),
+    ("What is the capital of Greece?", ("Athens",)),
+    ("What is the opposite of day?", ("night",)),
+    ("What is the capital of China?", ("Beijing",)),
+    ("What is 8 + 6?", ("14", "fourteen")),
+    ("What is the capital of Canada?", ("Ottawa",)),
+    ("Who wrote Romeo and Juliet?", ("Shakespeare",)),
+    ("What is the capital of the Netherlands?", ("Amsterdam",)),
+    ("What language is spoken in Spain?", ("Spanish",)),
+    ("What is the capital of Sweden?", ("Stockholm",)),
+    ("What is the largest ocean on Earth?", ("Pacific",)),
+    ("What is the capital of Norway?", ("Oslo",)),
+    ("What is the chemical formula of water?", ("H2O",)),
+    ("What is the capital of Poland?", ("Warsaw",)),
+    ("What is the capital of Thailand?", ("Bangkok",)),
+    ("What is the capital of Kenya?", ("Nairobi",)),
+    ("What is the capital of Peru?", ("Lima",)),
+    ("What is the capital of Hungary?", ("Budapest",)),
+    ("What is the capital of India?", ("Delhi",)),
+    ("What is the capital of Mexico?", ("Mexico City",)),
+    ("What is the capital of Australia?", ("Canberra",)),
+)
+
+
+def _fill(template: str, company: str, value: str = "") -> str:
+    return template.format(C=company, V=value).replace("s's ", "s' ")
+
+
+def made_up_word(rng: random.Random, syllables: int) -> str:
+    return "".join(rng.choice(ONSETS) + rng.choice(VOWELS) + rng.choice(CODAS) for _ in range(syllables)).capitalize()
+
+
+class _Names:
+    """Fresh made-up names for one scenario: none is a substring of another (case-insensitive),
+    so an answer never matches a different fact."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self.rng, self.used = rng, []
+
+    def fresh(self, make: Callable[[], str]) -> str:
+        while True:
+            name = make()
+            low = name.lower()
+            if len(low) >= 4 and not any(low in u or u in low for u in self.used):
+                self.used.append(low)
+                return name
+
+    def word(self, syllables: int = 2) -> str:
+        return self.fresh(lambda: made_up_word(self.rng, syllables))
+
+    def number(self, digits: int) -> str:
+        return self.fresh(lambda: str(self.rng.randrange(10 ** (digits - 1) + 10 ** (digits - 2), 10**digits)))
+
+
+def _value(kind: str, names: _Names) -> tuple[str, list[str]]:
+    """(the value as the documents state it, the accepted answers; the first occurs verbatim)."""
+    if kind == "person":
+        first, last = names.word(), names.word()
+        return f"{first} {last}", [last]
+    if kind == "place":
+        return (place := names.fresh(lambda: made_up_word(names.rng, 2) + names.rng.choice(CITY_SUFFIXES))), [place]
+    if kind == "number":
+        n = names.number(4)
+        return n, [n, f"{n[0]},{n[1:]}"]
+    if kind == "product":
+        word = names.word()
+        return f"{word} {names.rng.choice(('X', 'Pro', 'Max', 'Mini', 'Plus'))}", [word]
+    if kind == "password":
+        word = names.fresh(lambda: made_up_word(names.rng, 2).lower() + str(names.rng.randrange(10, 100)))
+        return word, [word]
+    if kind == "word":
+        word = names.word()
+        return word, [word]
+    raise ValueError(f"unknown value kind {kind!r}")
+
+
+def make_scenario(rng: random.Random, index: int, supports: Sequence[int] = SUPPORTS, extra_docs: int = 4,
+                  public: int = 2) -> dict:
+    """One scenario: a fictional company, ``len(supports)`` shared facts (fact i stated by
+    ``supports[i]`` documents, each in its own paraphrase where the templates allow), one secret
+    (one document), ``public`` public questions, ``max(supports) + extra_docs`` documents of 1-2
+    sentences; the rest of the documents are filler."""
+    names = _Names(rng)
+    company = f"{names.word()} {rng.choice(COMPANY_SUFFIXES)}"
+    n_docs = max(supports) + extra_docs
+    kinds = rng.sample(SHARED_FACTS, len(supports))
+    secret_kind = SECRET_FACTS[index % len(SECRET_FACTS)]
+    facts = []  # (kind, support, value, answers, question kind)
+    for kind, support in zip(kinds, supports, strict=True):
+        facts.append((kind, support, *_value(kind.value, names), "shared"))
+    facts.append((secret_kind, 1, *_value(secret_kind.value, names), "secret"))
+    # place the statements: most-supported fact first, each into the least-filled documents
+    docs: list[list[str]] = [[] for _ in range(n_docs)]
+    for kind, support, value, _, _ in sorted(facts, key=lambda f: -f[1]):
+        order = sorted(range(n_docs), key=lambda d: (len(docs[d]), rng.random()))
+        templates = list(kind.statements)
+        rng.shuffle(templates)
+        for j, d in enumerate(order[:support]):
+            docs[d].append(_fill(templates[j % len(templates)], company, value))
+    fillers = rng.sample(FILLERS, len(FILLERS))
+    for d, sentences in enumerate(docs):
+        if not sentences or (len(sentences) == 1 and rng.random() < 0.3):
+            sentences.append(_fill(fillers[d % len(fillers)], company))
+        rng.shuffle(sentences)
+    labels = rng.sample(DOC_LABELS, n_docs) if n_docs <= len(DOC_LABELS) else [rng.choice(DOC_LABELS) for _ in docs]
+    documents = [f"{label}: {' '.join(sentences)}" for label, sentences in zip(labels, docs, strict=True)]
+    rng.shuffle(documents)
+    questions = [{"q": _fill(kind.question, company), "answers": answers, "kind": qkind, "support": support}
+                 for kind, support, _, answers, qkind in facts]
+    for j in range(public):
+        q, answers = PUBLIC_QUESTIONS[(index * public + j) % len(PUBLIC_QUESTIONS)]
+        questions.append({"q": q, "answers": list(answers), "kind": "public", "support": 0})
+    scenario = {"id": f"s{index:03d}", "documents": documents, "questions": questions}
+    check_scenario(scenario)
+    return scenario
+
+
+def make_scenarios(count: int, seed: int = 0) -> list[dict]:
+    """``count`` scenarios, deterministic in ``seed``."""
+    rng = random.Random(seed)
+    return [make_scenario(rng, i) for i in range(count)]
+
+
+def check_scenario(s: dict) -> None:
+    """Raise ``ValueError`` unless ``s`` has the scenario schema and its facts are where they
+    claim: a shared fact's first answer in exactly ``support`` documents (and no answer of it in
+    any other), a secret in exactly one."""
+    where = f"scenario {s.get('id')!r}"
+    if not isinstance(s.get("id"), str) or not s["id"] or not isinstance(s.get("documents"), list):
+        raise ValueError(f"{where}: needs a non-empty string 'id' and a list 'documents'")
+    docs = [d.lower() for d in s["documents"]]
+    for q in s.get("questions") or []:
+        if set(q) != {"q", "answers", "kind", "support"} or q["kind"] not in KINDS or not q["answers"]:
+            raise ValueError(f"{where}: bad question {q!r}")
+        if q["kind"] == "public":
+            continue
+        if q["kind"] == "secret" and q["support"] != 1:
+            raise ValueError(f"{where}: a secret has support 1, got {q['support']}")
+        stating = sum(q["answers"][0].lower() in d for d in docs)
+        mention = sum(any(a.lower() in d for a in q["answers"]) for d in docs)
+        if stating != q["support"] or mention != q["support"]:
+            raise ValueError(f"{where}: {q['q']!r} is stated by {stating} documents (mentioned by "
+                             f"{mention}), support says {q['support']}")
+    if not s.get("questions"):
+        raise ValueError(f"{where}: no questions")
+
+
+def load_scenarios(path: str | Path) -> list[dict]:
+    scenarios = [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+    ids = [s.get("id") for s in scenarios]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"{path}: duplicate scenario ids")
+    for s in scenarios:
+        check_scenario(s)
+    return scenarios
+
+
+def write_scenarios(scenarios: Sequence[dict], path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(s, ensure_ascii=False) + "\n" for s in scenarios), encoding="utf-8")
+    return path
+
+
+# =========================================================================== scoring
+def is_correct(text: str, answers: Sequence[str], tokenizer=None, max_tokens: int = ANSWER_TOKENS) -> bool:
+    """Any of ``answers`` occurs (case-insensitive) in ``text``, cut to its first ``max_tokens``
+    tokens when a ``tokenizer`` is given (the benchmark asks for ``max_tokens`` tokens, so its
+    completions need no cut)."""
+    if tokenizer is not None:
+        text = tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)[:max_tokens])
+    low = text.lower()
+    return any(a.lower() in low for a in answers)
+
+
+@dataclass
+class Answer:
+    scenario: str
+    kind: str
+    support: int
+    correct: bool
+    text: str
+    prompt_tokens: int
+
+
+def summarize(row: str, eps: float | None, answers: Sequence[Answer], seconds: float) -> dict:
+    """One result row (exactly ``ROW_KEYS``): accuracy per support of shared facts, the share of
+    secrets answered (leak rate), public accuracy, wall seconds per answer."""
+
+    def rate(xs):
+        return sum(a.correct for a in xs) / len(xs) if xs else float("nan")
+
+    shared = [a for a in answers if a.kind == "shared"]
+    supports = sorted({a.support for a in shared})
+    return {"row": row, "eps": eps,
+            "shared_accuracy": {str(s): rate([a for a in shared if a.support == s]) for s in supports},
+            "secret_leak_rate": rate([a for a in answers if a.kind == "secret"]),
+            "public_accuracy": rate([a for a in answers if a.kind == "public"]),
+            "seconds_per_answer": seconds / max(1, len(answers)),
+            "n_questions": len(answers)}
+
+
+# =========================================================================== token layout
+class ChatLayout:
+    """The token sequences of every row, from the model's own chat template.
+
+    ``C`` (the context) = the template rendered with the system turn alone, holding the documents
+    one per line; the user turn = the rendering of [system, user] with the generation prompt,
+    minus ``C``. The context's ids are what the DP renderer makes of the context file
+    (``tokenize_context``: BOS + text); if ``C`` starts with the BOS token's text it is written
+    without it, so that BOS is not doubled."""
+
+    def __init__(self, tokenizer) -> None:
+        from vllm_dp_plugin.serving.context import tokenize_context
+
+        self.tokenizer, self._tokenize_context = tokenizer, tokenize_context
+        self.bos = tokenizer.bos_token_id
+
+    def _render(self, messages, generation: bool) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation)
+
+    def context_text(self, documents: Sequence[str]) -> str:
+        """The private context file's text."""
+        text = self._render([{"role": "system", "content": "\n".join(documents)}], False)
+        bos = self.tokenizer.bos_token
+        if self.bos is not None and bos and text.startswith(bos):
+            text = text[len(bos):]
+        return text
+
+    def context_ids(self, documents: Sequence[str]) -> list[int]:
+        return list(self._tokenize_context(self.context_text(documents), self.tokenizer))
+
+    def user_ids(self, documents: Sequence[str], question: str) -> list[int]:
+        system = [{"role": "system", "content": "\n".join(documents)}]
+        alone = self._render(system, False)
+        both = self._render([*system, {"role": "user", "content": question}], True)
+        if not both.startswith(alone):
+            raise ValueError("the chat template renders the system turn differently when a user turn follows")
+        return self.tokenizer.encode(both[len(alone):], add_special_tokens=False)
+
+    # the prompt each row sends (token ids) and the prompt length the server must report
+    def full_ids(self, documents, question) -> list[int]:
+        return self.context_ids(documents) + self.user_ids(documents, question)
+
+    def none_ids(self, documents, question) -> list[int]:
+        ids = self.user_ids(documents, question)
+        return ids if self.bos is None or (ids and ids[0] == self.bos) else [self.bos, *ids]
+
+    def dp_ids(self, documents, question) -> list[int]:
+        """The request's ids for a DP row: the renderer drops one leading BOS of a request (the
+        context already starts with it), so a user turn that starts with BOS gets a second one."""
+        ids = self.user_ids(documents, question)
+        return [self.bos, *ids] if self.bos is not None and ids and ids[0] == self.bos else ids
+
+
+# =========================================================================== rows
+@dataclass(frozen=True)
+class Server:
+    """How to start one server: its command (``--host``/``--port`` are appended) and environment
+    changes. Rows whose servers are equal share one server."""
+
+    cmd: tuple[str, ...]
+    env: tuple[tuple[str, str | None], ...] = ()  # (name, value); None removes the variable
+    dp: bool = False  # has /v1/dp/budget
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt: list[int]
+    expected_prompt_tokens: int
+    extra: dict = field(default_factory=dict)  # more request fields (vllm_xargs)
+
+
+@dataclass(frozen=True)
+class Row:
+    """One way of serving the context. ``server(bench, eps)`` -> Server; ``request(layout,
+    scenario, question)`` -> Request. ``private`` rows run once per eps."""
+
+    help: str
+    private: bool
+    server: Callable[[Bench, float | None], Server]
+    request: Callable[[ChatLayout, dict, dict], Request]
+
+
+def stock_server(bench: Bench, eps: float | None) -> Server:
+    return Server(cmd=(*LAUNCH, "serve", bench.model, *ENGINE_FLAGS), env=(("VLLM_PLUGINS", ""),))
+
+
+def dp_server(mode: str, **attention: object) -> Callable[[Bench, float | None], Server]:
+    """``vllm-dp serve`` with every scenario's documents as a named private context."""
+
+    def server(bench: Bench, eps: float | None) -> Server:
+        assert eps is not None
+        name = f"{mode}-eps{eps:g}"
+        section = {
+            "key_file": str(bench.work / "noise.key"),
+            "ledger_file": str(bench.work / f"ledger-{name}.jsonl"),  # one per row: every rerun allowed
+            "attention": {"mode": mode, "epsilon": eps, "delta": DELTA,
+                          "composition": "pld" if eps <= MAX_CURVE_EPS else "basic",
+                          "calibration": str(bench.calibration()), "contexts": bench.context_files(),
+                          **attention},
+        }
+        config = bench.work / f"dp-{name}.json"
+        config.write_text(json.dumps({"dp_privacy": section}, indent=1))
+        return Server(cmd=(*VLLM_DP, "serve", bench.model, "--dp-config", str(config), "--tokenizer-mode",
+                           "dp_private", *ENGINE_FLAGS), env=(("VLLM_PLUGINS", None),), dp=True)
+
+    return server
+
+
+def _plain(ids: Callable[[ChatLayout, Sequence[str], str], list[int]]):
+    def request(layout: ChatLayout, scenario: dict, q: dict) -> Request:
+        prompt = ids(layout, scenario["documents"], q["q"])
+        return Request(prompt, len(prompt))
+
+    return request
+
+
+def dp_request(layout: ChatLayout, scenario: dict, q: dict) -> Request:
+    return Request(layout.dp_ids(scenario["documents"], q["q"]),
+                   len(layout.full_ids(scenario["documents"], q["q"])),
+                   {"vllm_xargs": {"dp_context": scenario["id"]}})
+
+
+ROWS: dict[str, Row] = {
+    "none": Row("no context: the user turn alone (stock vLLM)", False, stock_server, _plain(ChatLayout.none_ids)),
+    "full": Row("the documents in plain text before the user turn (stock vLLM)", False, stock_server,
+                _plain(ChatLayout.full_ids)),
+    "dp_state": Row("DP attention, mode state (noisy kernelised state)", True, dp_server("state"), dp_request),
+    "dp_tree": Row("DP attention, mode tree (DPTree; Taylor degree 1 keeps its tables small)", True,
+                   dp_server("tree", degree=1), dp_request),
+}
+
+
+# =========================================================================== running
+@dataclass
+class Bench:
+    model: str
+    scenarios: list[dict]
+    work: Path
+    cache_dir: Path
+    max_tokens: int = ANSWER_TOKENS
+    concurrency: int = 8
+    _calibration: Path | None = None
+    _contexts: dict[str, str] | None = None
+    _layout: ChatLayout | None = None
+
+    def calibration(self) -> Path:
+        """The model's public calibration (``vllm-dp calibrate``), cached by weights digest."""
+        if self._calibration is None:
+            from vllm_dp_plugin.calibration import calibrate_model
+            from vllm_dp_plugin.serving.context import weights_digest
+
+            path = self.cache_dir / f"calibration-{Path(self.model).name}-{weights_digest(self.model)[:16]}.json"
+            if not path.exists():
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_suffix(f".tmp{os.getpid()}")
+                calibrate_model(self.model, tmp)
+                tmp.replace(path)
+            self._calibration = path
+        return self._calibration
+
+    def context_files(self) -> dict[str, str]:
+        """One context file per scenario (its ``C``), named by the scenario id."""
+        if self._contexts is None:
+            layout = self.layout()
+            folder = self.work / "contexts"
+            folder.mkdir(exist_ok=True)
+            self._contexts = {}
+            for s in self.scenarios:
+                path = folder / f"{s['id']}.txt"
+                path.write_text(layout.context_text(s["documents"]), encoding="utf-8")
+                self._contexts[s["id"]] = str(path)
+        return self._contexts
+
+    def layout(self) -> ChatLayout:
+        if self._layout is None:
+            from transformers import AutoTokenizer
+
+            self._layout = ChatLayout(AutoTokenizer.from_pretrained(self.model))
+        return self._layout
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class RunningServer:
+    """Context manager: start ``server`` on a free local port, wait for /health, stop its group."""
+
+    def __init__(self, server: Server, log: Path, timeout: float = 900) -> None:
+        self.server, self.log, self.timeout = server, log, timeout
+
+    def __enter__(self) -> Self:
+        port = _free_port()
+        env = dict(os.environ)
+        for name, value in self.server.env:
+            if value is None:
+                env.pop(name, None)
+            else:
+                env[name] = value
+        with self.log.open("w") as handle:
+            self.proc = subprocess.Popen([*self.server.cmd, "--host", "127.0.0.1", "--port", str(port)], env=env,
+                                         stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)
+        self.base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + self.timeout
+        try:
+            while True:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"server exited ({self.proc.returncode}); see {self.log}:\n"
+                                       + self.log.read_text()[-4000:])
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"server not healthy after {self.timeout:.0f} s; see {self.log}")
+                try:
+                    urllib.request.urlopen(self.base + "/health", timeout=2)
+                    return self
+                except OSError:
+                    time.sleep(2)
+        except BaseException:
+            self._stop()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self._stop()
+
+    def _stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+    def get(self, path: str) -> dict:
+        with urllib.request.urlopen(self.base + path, timeout=60) as response:
+            return json.loads(response.read())
+
+    def complete(self, model: str, request: Request, max_tokens: int) -> dict:
+        body = {"model": model, "prompt": request.prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                **request.extra}
+        req = urllib.request.Request(self.base + "/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=900) as response:
+                return json.loads(response.read())
+        except urllib.error.HTTPError as exc:
+            raise RuntimeError(f"/v1/completions answered {exc.code}: {exc.read()[:2000]!r}") from None
+
+
+def ask_all(bench: Bench, server: RunningServer, row: Row, label: str, progress=None) -> tuple[list[Answer], float]:
+    """Every question of every scenario, ``bench.concurrency`` in flight; (answers, wall s)."""
+    layout = bench.layout()
+    jobs = [(s, q, row.request(layout, s, q)) for s in bench.scenarios for q in s["questions"]]
+
+    def one(job) -> Answer:
+        s, q, request = job
+        out = server.complete(bench.model, request, bench.max_tokens)
+        got = out["usage"]["prompt_tokens"]
+        if got != request.expected_prompt_tokens:
+            raise RuntimeError(f"{label}: scenario {s['id']} question {q['q']!r}: the server saw {got} prompt "
+                               f"tokens, the layout expects {request.expected_prompt_tokens}")
+        text = out["choices"][0]["text"]
+        if progress is not None:
+            progress.update(1)
+        return Answer(s["id"], q["kind"], q["support"], is_correct(text, q["answers"]), text, got)
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(bench.concurrency) as pool:
+        answers = list(pool.map(one, jobs))
+    return answers, time.perf_counter() - start
+
+
+def jobs_of(rows: Sequence[str], eps: Sequence[float]) -> list[tuple[str, float | None]]:
+    """(row, eps) pairs in order: non-private rows once, private rows at every eps."""
+    out = []
+    for name in rows:
+        if name not in ROWS:
+            raise SystemExit(f"unknown row {name!r}; known rows: {', '.join(ROWS)}")
+        out += [(name, e) for e in eps] if ROWS[name].private else [(name, None)]
+    return out
+
+
+def run(bench: Bench, rows: Sequence[str], eps: Sequence[float], log=None) -> tuple[list[dict], list[dict], list[dict]]:
+    """Measure every (row, eps); returns (result rows, budget statements, sample answers of the
+    first two scenarios)."""
+    from tqdm import tqdm
+
+    log = log or tqdm.write
+    jobs = jobs_of(rows, eps)
+    specs = [(name, e, ROWS[name].server(bench, e)) for name, e in jobs]
+    groups: list[list[tuple[str, float | None, Server]]] = []  # consecutive jobs sharing a server
+    for spec in specs:
+        if groups and groups[-1][0][2] == spec[2]:
+            groups[-1].append(spec)
+        else:
+            groups.append([spec])
+    n_questions = sum(len(s["questions"]) for s in bench.scenarios)
+    results, budgets, samples = [], [], []
+    with tqdm(total=len(jobs), desc="rows", unit="row", position=0) as bar:
+        for group in groups:
+            names = "+".join(f"{n}" + ("" if e is None else f"@{e:g}") for n, e, _ in group)
+            with RunningServer(group[0][2], bench.work / f"server-{names}.log") as server:
+                for name, e, spec in group:
+                    label = name if e is None else f"{name} eps={e:g}"
+                    if spec.dp:
+                        statement = server.get("/v1/dp/budget")["contexts"][0]
+                        budgets.append({"row": name, "eps": e, **statement})
+                    with tqdm(total=n_questions, desc=label, unit="q", position=1, leave=False) as qbar:
+                        answers, seconds = ask_all(bench, server, ROWS[name], label, qbar)
+                    result = summarize(name, e, answers, seconds)
+                    results.append(result)
+                    first = {s["id"] for s in bench.scenarios[:2]}
+                    samples += [{"row": name, "eps": e, "scenario": a.scenario, "kind": a.kind,
+                                 "support": a.support, "correct": a.correct, "text": a.text}
+                                for a in answers if a.scenario in first]
+                    log(f"vllm-dp bench context: {describe(result)}")
+                    bar.update(1)
+    return results, budgets, samples
+
+
+def describe(r: dict) -> str:
+    shared = ", ".join(f"s{k} {v:.2f}" for k, v in r["shared_accuracy"].items())
+    eps = "" if r["eps"] is None else f" eps={r['eps']:g}"
+    return (f"{r['row']}{eps}: shared [{shared}] secret leak {r['secret_leak_rate']:.2f} public "
+            f"{r['public_accuracy']:.2f} ({r['seconds_per_answer']:.3f} s/answer, {r['n_questions']} questions)")
+
+
+# =========================================================================== report
+def markdown(data: dict) -> str:
+    supports = sorted({int(k) for r in data["rows"] for k in r["shared_accuracy"]})
+    counts = data["question_counts"]
+    lines = [f"# vllm-dp bench context ({data['device']}, {data['date']})", "",
+             (f"Command: `{data['command']}`. Model: `{data['model']}`. Scenarios: `{data['scenarios']}` "
+             f"({data['n_scenarios']} scenarios; per row {counts['shared']} shared-fact, {counts['secret']} "
+             f"secret and {counts['public']} public questions). Greedy, {data['max_tokens']} tokens; an answer "
+             "is correct when one of its answers occurs in the completion (case-insensitive). "
+             "`none`: no context; `full`: the documents as plain text (exact attention); `dp_*`: the "
+             "documents as the private context (DP attention), eps for the whole model per context, "
+             f"delta = {DELTA:g}; eps = 1e7 leaves the kernel error alone. Seconds per answer: wall "
+             f"time of the row's requests ({data['concurrency']} in flight) / questions, server start "
+             "excluded."), "",
+             "| row | eps | " + " | ".join(f"shared, support {s}" for s in supports)
+             + " | secret leak rate | public accuracy | s / answer | questions |",
+             "|---|---|" + "---|" * len(supports) + "---|---|---|---|"]
+    for r in data["rows"]:
+        eps = "" if r["eps"] is None else f"{r['eps']:g}"
+        shared = " | ".join(_pct(r["shared_accuracy"].get(str(s))) for s in supports)
+        lines.append(f"| {r['row']} | {eps} | {shared} | {_pct(r['secret_leak_rate'])} | "
+                     f"{_pct(r['public_accuracy'])} | {r['seconds_per_answer']:.3f} | {r['n_questions']} |")
+    if data.get("budgets"):
+        lines += ["", "DP budget statements (`GET /v1/dp/budget`, first context):", "",
+                  "| row | eps | context tokens | spent eps | guaranteed kernel error per layer | logit bound T (max) |",
+                  "|---|---|---|---|---|---|"]
+        for b in data["budgets"]:
+            kernel = b.get("kernel_error") or []
+            logit = b.get("logit_bound") or []
+            spent = (b.get("spent") or {}).get("epsilon")
+            lines.append(f"| {b['row']} | {b['eps']:g} | {b.get('context_tokens', '')} | "
+                         f"{'' if spent is None else f'{spent:g}'} | "
+                         f"{_span(kernel)} | "
+                         f"{f'{max(logit):.3g}' if logit else ''} |")
+    return "\n".join(lines) + "\n"
+
+
+def _span(values: Sequence[float | None]) -> str:
+    """min-max of per-layer values; a None (no guarantee: out of the Taylor regime) shows as such."""
+    if not values:
+        return ""
+    known = [v for v in values if v is not None]
+    none = len(values) - len(known)
+    span = f"{min(known):.3g}-{max(known):.3g}" if known else ""
+    return span + (f"{'; ' if span else ''}unbounded in {none} of {len(values)} layers" if none else "")
+
+
+def _pct(x: float | None) -> str:
+    return "" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.2f}"
+
+
+def plot(data: dict, path: Path) -> None:
+    """Shared-fact accuracy (all supports), public accuracy and secret leak rate vs eps: one curve
+    per DP mechanism, ``none``/``full`` as horizontal lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def shared(r):
+        n = data["question_counts_by_support"]
+        total = sum(n.get(k, 0) for k in r["shared_accuracy"])
+        return sum(v * n.get(k, 0) for k, v in r["shared_accuracy"].items()) / total if total else float("nan")
+
+    panels = (("shared-fact accuracy (all supports)", shared), ("public accuracy", lambda r: r["public_accuracy"]),
+              ("secret leak rate", lambda r: r["secret_leak_rate"]))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    private = [n for n in dict.fromkeys(r["row"] for r in data["rows"]) if ROWS.get(n) and ROWS[n].private]
+    for ax, (title, value) in zip(axes, panels, strict=True):
+        for i, r in enumerate(r for r in data["rows"] if r["eps"] is None):
+            ax.axhline(value(r), color=f"C{7 + i}", ls="--", lw=1, label=r["row"])
+        for i, name in enumerate(private):
+            pts = sorted((r["eps"], value(r)) for r in data["rows"] if r["row"] == name)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=f"C{i}", label=name)
+        ax.set_xscale("log")
+        if not private:
+            ax.set_xlim(0.5, 3 * KERNEL_ONLY_EPS)
+        ax.set_xlabel("eps (whole model, per context; 1e7: kernel error alone)")
+        ax.set_ylim(-0.03, 1.03)
+        ax.set_title(title, fontsize=10)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"vllm-dp bench context: {Path(data['model']).name}, {data['device']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _shown(path: Path) -> str:
+    """``path`` relative to the working directory when it is under it."""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def device_tag() -> str:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_name(0).replace(" ", "-").lower()
+    except ImportError:
+        pass
+    return f"cpu-{os.cpu_count()}core"
+
+
+# =========================================================================== CLI
+def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help=f"Hugging Face model directory (default {DEFAULT_MODEL}, built with "
+                             f"`vllm-dp import-model {DEFAULT_MODEL_NAME}` when missing)")
+    parser.add_argument("--scenarios", type=Path, default=DEFAULT_SCENARIOS,
+                        help="scenarios JSONL (default: the bundled 24 scenarios)")
+    parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated rows of {', '.join(ROWS)}")
+    parser.add_argument("--eps", default=",".join(f"{e:g}" for e in DEFAULT_EPS),
+                        help=f"eps of the DP rows, comma-separated (eps = {KERNEL_ONLY_EPS:g} is always added)")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: 2 scenarios, eps 8 only (no 1e7), 8 answer tokens")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="result directory")
+    parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE, help="where the calibration is cached")
+    parser.add_argument("--concurrency", type=int, default=8, help="requests in flight")
+    parser.add_argument("--make-scenarios", type=Path, metavar="OUT",
+                        help="write --count generated scenarios (seed --seed) to OUT and exit")
+    parser.add_argument("--count", type=int, default=24, help="scenarios to generate (--make-scenarios)")
+    parser.add_argument("--seed", type=int, default=0, help="generator seed (--make-scenarios)")
+    return parser
+
+
+def build_parser(prog: str = "vllm-dp bench context") -> argparse.ArgumentParser:
+    return add_cli_args(argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0]))
+
+
+def ensure_model(model: str) -> str:
+    if (Path(model) / "config.json").exists():
+        return model
+    if Path(model) == Path(DEFAULT_MODEL):
+        from vllm_dp_plugin.models import import_model
+
+        return str(import_model(DEFAULT_MODEL_NAME, model))
+    raise SystemExit(f"vllm-dp bench context: no model at {model}")
+
+
+def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
+    """``args``: parsed arguments (``add_cli_args``) or an argv list (``vllm-dp bench context ...``)."""
+    argv = None
+    if not isinstance(args, argparse.Namespace):
+        argv = list(sys.argv[1:] if args is None else args)
+        args = build_parser().parse_args(argv)
+    if args.make_scenarios is not None:
+        path = write_scenarios(make_scenarios(args.count, args.seed), args.make_scenarios)
+        print(f"{args.count} scenarios (seed {args.seed}) written to {path}")
+        return 0
+    rows = [r for r in args.rows.split(",") if r]
+    eps = [float(e) for e in args.eps.split(",") if e]
+    scenarios = load_scenarios(args.scenarios)
+    max_tokens = ANSWER_TOKENS
+    if args.quick:
+        scenarios, eps, max_tokens = scenarios[:2], [8.0], 8
+    elif KERNEL_ONLY_EPS not in eps:
+        eps.append(KERNEL_ONLY_EPS)
+    jobs_of(rows, eps)  # unknown rows fail before anything starts
+    model = ensure_model(args.model)
+    args.out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="vllm-dp-bench-context-"))
+    bench = Bench(model, scenarios, work, args.cache_dir, max_tokens, args.concurrency)
+    started = time.perf_counter()
+    try:
+        results, budgets, samples = run(bench, rows, eps)
+    except BaseException:
+        print(f"vllm-dp bench context: logs kept in {work}", file=sys.stderr)
+        raise
+    date = datetime.date.today().isoformat()
+    device = device_tag()
+    questions = [q for s in scenarios for q in s["questions"]]
+    by_support = {}
+    for q in questions:
+        if q["kind"] == "shared":
+            by_support[str(q["support"])] = by_support.get(str(q["support"]), 0) + 1
+    command = "vllm-dp bench context" + ("" if argv is None else " " + " ".join(argv))
+    data = {"model": model, "device": device, "date": date, "scenarios": _shown(args.scenarios),
+            "rows": results,
+            "command": command.strip(), "platform": platform.platform(), "n_scenarios": len(scenarios),
+            "question_counts": {k: sum(q["kind"] == k for q in questions) for k in KINDS},
+            "question_counts_by_support": by_support, "max_tokens": max_tokens, "concurrency": args.concurrency,
+            "budgets": budgets, "sample_answers": samples, "wall_s": time.perf_counter() - started}
+    stem = args.out / f"context-{device}-{date}"
+    stem.with_suffix(".json").write_text(json.dumps(data, indent=1))
+    stem.with_suffix(".md").write_text(markdown(data))
+    plot(data, stem.with_suffix(".png"))
+    print(stem.with_suffix(".md").read_text())
+    shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,179 @@
+"""`vllm-dp bench context`: the scenario generator, the scorer, the token layout every row shares,
+the row registry and the result schema; `--quick` end to end (rows none, full) on the demo model."""
+
+import json
+import re
+from types import SimpleNamespace
+
+import pytest
+
+from vllm_dp_plugin.benchmarks import context as bench
+from vllm_dp_plugin.cli import main
+
+
+@pytest.fixture(scope="module")
+def demo_model(tmp_path_factory):
+    from vllm_dp_plugin.demo import make_demo_llama
+
+    return make_demo_llama(tmp_path_factory.mktemp("context-bench") / "llama")
+
+
+# --------------------------------------------------------------------------- generator
+def test_generator_is_deterministic_in_its_seed():
+    assert bench.make_scenarios(3, seed=5) == bench.make_scenarios(3, seed=5)
+    assert bench.make_scenarios(3, seed=5) != bench.make_scenarios(3, seed=6)
+
+
+def test_generated_facts_are_stated_by_exactly_their_support():
+    for s in bench.make_scenarios(12, seed=1):
+        docs = [d.lower() for d in s["documents"]]
+        kinds = [q["kind"] for q in s["questions"]]
+        assert kinds.count("secret") == 1 and kinds.count("public") >= 1
+        assert sorted(q["support"] for q in s["questions"] if q["kind"] == "shared") == list(bench.SUPPORTS)
+        assert 20 <= len(docs) <= 30
+        for doc in s["documents"]:  # a label and 1-2 short sentences
+            assert 1 <= len(re.findall(r"[.!?](?:\s|$)", doc)) <= 2 and not re.search(r"\d", doc.split(":")[0])
+        for q in s["questions"]:
+            stating = [d for d in docs if q["answers"][0].lower() in d]
+            mentioning = [d for d in docs if any(a.lower() in d for a in q["answers"])]
+            if q["kind"] == "public":
+                assert q["support"] == 0
+                continue
+            assert len(stating) == len(mentioning) == q["support"], (s["id"], q)
+            assert q["support"] == 1 if q["kind"] == "secret" else q["support"] in bench.SUPPORTS
+            assert q["answers"][0].lower() not in q["q"].lower()  # the question does not give it away
+
+
+def test_bundled_scenarios_are_the_generators_seed_0():
+    scenarios = bench.load_scenarios(bench.DEFAULT_SCENARIOS)
+    assert len(scenarios) == 24
+    assert scenarios == bench.make_scenarios(24, seed=0)
+
+
+def test_check_scenario_refuses_a_wrong_support(tmp_path):
+    s = bench.make_scenarios(1, seed=2)[0]
+    shared = next(q for q in s["questions"] if q["support"] == 3)
+    shared["support"] = 10
+    with pytest.raises(ValueError, match="stated by 3 documents"):
+        bench.check_scenario(s)
+    bad = tmp_path / "dup.jsonl"
+    bench.write_scenarios([bench.make_scenarios(1, seed=2)[0]] * 2, bad)
+    with pytest.raises(ValueError, match="duplicate"):
+        bench.load_scenarios(bad)
+
+
+def test_make_scenarios_option_writes_a_loadable_file(tmp_path):
+    out = tmp_path / "s.jsonl"
+    assert main(["bench", "context", "--make-scenarios", str(out), "--count", "3", "--seed", "4"]) == 0
+    assert bench.load_scenarios(out) == bench.make_scenarios(3, seed=4)
+
+
+# --------------------------------------------------------------------------- scorer
+class WordTokenizer:
+    """One token per space-separated word."""
+
+    def encode(self, text, add_special_tokens=False):
+        return text.split(" ")
+
+    def decode(self, ids):
+        return " ".join(ids)
+
+
+def test_scorer_is_a_case_insensitive_substring_within_32_tokens():
+    assert bench.is_correct("The CEO is Talven ORSK.", ["Orsk"])
+    assert bench.is_correct("It has 4,817 staff", ["4817", "4,817"])
+    assert not bench.is_correct("It has 4817 staff", ["Orsk"])
+    late = " ".join(["word"] * 32 + ["Orsk"])
+    assert bench.is_correct(late, ["orsk"])  # a completion is already at most 32 tokens long
+    assert not bench.is_correct(late, ["orsk"], tokenizer=WordTokenizer())
+    assert bench.is_correct(" ".join(["word"] * 31 + ["Orsk"]), ["orsk"], tokenizer=WordTokenizer())
+
+
+def test_summary_rows_have_exactly_the_schema_keys():
+    A = bench.Answer
+    answers = [A("s0", "shared", 3, True, "", 1), A("s0", "shared", 3, False, "", 1), A("s0", "shared", 20, True, "", 1),
+               A("s0", "secret", 1, True, "", 1), A("s0", "public", 0, False, "", 1), A("s1", "public", 0, True, "", 1)]
+    row = bench.summarize("dp_state", 8.0, answers, 3.0)
+    assert tuple(row) == bench.ROW_KEYS
+    assert row["shared_accuracy"] == {"3": 0.5, "20": 1.0}
+    assert row["secret_leak_rate"] == 1.0 and row["public_accuracy"] == 0.5
+    assert row["seconds_per_answer"] == 0.5 and row["n_questions"] == 6
+    json.dumps(row)
+
+
+# --------------------------------------------------------------------------- layout and rows
+CHATML_LIKE = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+               "{% if add_generation_prompt %}<s>assistant\n{% endif %}")  # BOS opens every turn (SmolLM2)
+
+
+@pytest.mark.parametrize("template", ["demo", "chatml_like"])
+def test_every_row_sees_the_same_tokens_as_full(demo_model, template):
+    """DP rows send the user turn; the DP renderer's prepend (context ids + request ids, one
+    leading BOS dropped) must rebuild exactly the ``full`` prompt; ``none`` is the user turn."""
+    from transformers import AutoTokenizer
+
+    from vllm_dp_plugin.serving.context import PrivateContext, tokenize_context
+
+    tok = AutoTokenizer.from_pretrained(demo_model)
+    if template == "chatml_like":
+        tok.chat_template = CHATML_LIKE
+    layout = bench.ChatLayout(tok)
+    s = bench.make_scenarios(1, seed=3)[0]
+    q = s["questions"][0]["q"]
+    ctx_text = layout.context_text(s["documents"])
+    ctx = tokenize_context(ctx_text, tok)
+    assert ctx == layout.context_ids(s["documents"]) and ctx.count(tok.bos_token_id) == 1
+    assert s["documents"][0] in ctx_text
+    full = layout.full_ids(s["documents"], q)
+    rendered = tok.apply_chat_template([{"role": "system", "content": "\n".join(s["documents"])},
+                                        {"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+    assert tok.decode(full) == rendered  # the chat template's own rendering, BOS once
+    context = SimpleNamespace(token_ids=tuple(ctx), bos_token_id=tok.bos_token_id)  # the renderer's rule:
+    served = PrivateContext.prepend(context, layout.dp_ids(s["documents"], q))
+    assert served == full
+    none = layout.none_ids(s["documents"], q)
+    assert none[0] == tok.bos_token_id and none[1:] == full[len(full) - len(none) + 1:]
+    dp = bench.dp_request(layout, s, s["questions"][0])
+    assert dp.extra == {"vllm_xargs": {"dp_context": s["id"]}} and dp.expected_prompt_tokens == len(full)
+
+
+def test_row_registry_jobs_and_servers(tmp_path, monkeypatch):
+    assert bench.jobs_of(["none", "full", "dp_state"], [8.0, 1e7]) == [
+        ("none", None), ("full", None), ("dp_state", 8.0), ("dp_state", 1e7)]
+    with pytest.raises(SystemExit, match="unknown row"):
+        bench.jobs_of(["nope"], [8.0])
+    b = bench.Bench("m", bench.make_scenarios(2, seed=0), tmp_path, tmp_path / "cache")
+    assert bench.ROWS["none"].server(b, None) == bench.ROWS["full"].server(b, None)  # one stock server
+    assert dict(bench.ROWS["none"].server(b, None).env)["VLLM_PLUGINS"] == ""
+    monkeypatch.setattr(bench.Bench, "calibration", lambda self: tmp_path / "cal.json")
+    monkeypatch.setattr(bench.Bench, "context_files",
+                        lambda self: {s["id"]: str(tmp_path / f"{s['id']}.txt") for s in self.scenarios})
+    for eps, composition in ((8.0, "pld"), (1e7, "basic")):
+        server = bench.ROWS["dp_tree"].server(b, eps)
+        assert server.dp and "--dp-config" in server.cmd
+        cfg = json.loads((tmp_path / f"dp-tree-eps{eps:g}.json").read_text())["dp_privacy"]
+        att = cfg["attention"]
+        assert att["mode"] == "tree" and att["epsilon"] == eps and att["composition"] == composition
+        assert list(att["contexts"]) == ["s000", "s001"] and att["calibration"] == str(tmp_path / "cal.json")
+        assert cfg["key_file"].startswith(str(tmp_path)) and cfg["ledger_file"].startswith(str(tmp_path))
+
+
+# --------------------------------------------------------------------------- end to end
+@pytest.mark.vllm
+def test_quick_run_none_and_full_on_the_demo_model(demo_model, tmp_path):
+    out = tmp_path / "results"
+    rc = main(["bench", "context", "--quick", "--model", str(demo_model), "--rows", "none,full", "--out", str(out)])
+    assert rc == 0
+    (result,) = out.glob("context-*.json")
+    data = json.loads(result.read_text())
+    assert {"model", "device", "date", "scenarios", "rows"} <= set(data)
+    assert [(r["row"], r["eps"]) for r in data["rows"]] == [("none", None), ("full", None)]
+    n = sum(len(s["questions"]) for s in bench.load_scenarios(bench.DEFAULT_SCENARIOS)[:2])
+    for row in data["rows"]:
+        assert tuple(row) == bench.ROW_KEYS
+        assert row["n_questions"] == n and row["seconds_per_answer"] > 0
+        assert set(row["shared_accuracy"]) == {str(s) for s in bench.SUPPORTS}
+        assert all(0 <= v <= 1 for v in [*row["shared_accuracy"].values(), row["secret_leak_rate"],
+                                          row["public_accuracy"]])
+    assert result.with_suffix(".md").exists() and result.with_suffix(".png").exists()
+    assert "| none |" in result.with_suffix(".md").read_text()
