@@ -467,14 +467,14 @@ class ChatLayout:
     ``C`` (the context) = the template rendered with the system turn alone, holding the documents
     one per line; the user turn = the rendering of [system, user] with the generation prompt,
     minus ``C``. The context's ids are what the DP renderer makes of the context file
-    (``tokenize_context``: BOS + text); if ``C`` starts with the BOS token's text it is written
-    without it, so that BOS is not doubled."""
+    (``tokenize_context``: the BOS the tokenizer adds, if any, + text); if it adds one and ``C``
+    starts with the BOS token's text, ``C`` is written without it, so that BOS is not doubled."""
 
     def __init__(self, tokenizer) -> None:
-        from vllm_dp_plugin.serving.context import tokenize_context
+        from vllm_dp_plugin.serving.context import added_bos, tokenize_context
 
         self.tokenizer, self._tokenize_context = tokenizer, tokenize_context
-        self.bos = tokenizer.bos_token_id
+        self.bos = added_bos(tokenizer)  # the renderer's rule: only an added BOS is dropped
 
     def _render(self, messages, generation: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,9 @@ class ConfigError(ValueError):
 STATE_MECHANISMS = ("gaussian", "truncated_laplace")
 MAX_CURVE_EPSILON = 100.0  # pld/rdp discretise the privacy loss; beyond this they blow up
 BOUND_KEYS = ("key_bound", "query_bound", "value_bound", "key_norm", "query_norm")
+CONTEXT_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # names are public: /v1/dp/budget, logs
+CONTEXT_SUFFIXES = (".txt", ".jsonl")  # a text, or documents ({"text": ...} per line)
+DEFAULT_CONTEXT = "default"  # the name of the one context of ``private_context``
 
 
 @dataclass(frozen=True)
@@ -44,8 +48,14 @@ class AttentionPrivacyConfig:
     explicit ``bounds`` (``key_bound``, ``query_bound``, ``value_bound`` and optional
     ``key_norm``/``query_norm``), exactly one of the two when serving.
     ``private_context``: text file whose tokens occupy positions [0, P) of every request of a
-    decoder-only model (needs ``--tokenizer-mode dp_private``). Encoder-decoder models (Whisper)
-    treat each request's encoder output as the private context instead.
+    decoder-only model (needs ``--tokenizer-mode dp_private``); its name is ``default``.
+    ``contexts``: several named private contexts instead, each its own protected dataset with its
+    own release and the whole ``epsilon``/``delta``: a mapping name -> file, or a directory whose
+    ``*.txt`` / ``*.jsonl`` files are the contexts, named by their stem (sorted). A request picks
+    one with ``vllm_xargs.dp_context``; the default is the first. Names match ``CONTEXT_NAME`` and
+    are public (``/v1/dp/budget``). A ``.jsonl`` file holds documents, ``{"text": ...}`` per line,
+    joined by newlines. Encoder-decoder models (Whisper) treat each request's encoder output as the
+    private context instead.
     ``allow_rerelease``: serve a private context the release ledger has seen released under other
     noise (another key, weights or parameters): the budget is spent again and the report composes
     every release. Off: such a start is refused.
@@ -64,6 +74,7 @@ class AttentionPrivacyConfig:
     calibration: str | None = None
     bounds: dict[str, float] | None = None
     private_context: str | None = None
+    contexts: dict[str, str] | str | None = None
     max_context: int = 32_768
     num_layers: int | None = None
     num_kv_heads: int | None = None
@@ -96,6 +107,40 @@ class AttentionPrivacyConfig:
             raise ConfigError("attention: give either `calibration` or `bounds`, not both")
         if self.bounds is not None:
             _check_bounds(self.bounds)
+        if self.contexts is not None:
+            if self.private_context is not None:
+                raise ConfigError("attention: give either `private_context` or `contexts`, not both")
+            _check_contexts(self.contexts)
+
+    @property
+    def serves_context(self) -> bool:
+        """Operator-given private contexts are configured (decoder-only serving)."""
+        return self.private_context is not None or self.contexts is not None
+
+    def context_files(self) -> dict[str, str]:
+        """The private contexts, name -> file, in order (the first is the default). Lists the
+        ``contexts`` directory (ConfigError when it holds none, or a stem is no valid name)."""
+        if self.private_context is not None:
+            return {DEFAULT_CONTEXT: self.private_context}
+        if not isinstance(self.contexts, str):
+            return dict(self.contexts or {})
+        folder = Path(self.contexts)
+        files = sorted((p for p in folder.glob("*") if p.suffix in CONTEXT_SUFFIXES and p.is_file()),
+                       key=lambda p: (p.stem, p.suffix))
+        if not files:
+            raise ConfigError(f"attention.contexts: no .txt or .jsonl files in {self.contexts!r}")
+        found = {p.stem: str(p) for p in files}
+        if len(found) < len(files):
+            raise ConfigError(f"attention.contexts: two files in {self.contexts!r} share a name (stem)")
+        for name in found:
+            _check_context_name(name)
+        return found
+
+    def context_key(self, name: str | None = None) -> str:
+        """The configuration key of the private contexts, or of context ``name`` (what errors name)."""
+        if self.contexts is None:
+            return "attention.private_context"
+        return "attention.contexts" if name is None else f"attention.contexts.{name}"
 
     @property
     def total(self) -> Budget:
@@ -122,6 +167,29 @@ def _check_bounds(bounds: Any) -> None:
         raise ConfigError(f"attention.bounds: missing required key(s) {missing}")
     for name, value in bounds.items():
         _check(check_positive, value, f"attention.bounds.{name}")
+
+
+def _check_contexts(contexts: Any) -> None:
+    if isinstance(contexts, str):
+        return  # a directory, listed when served (``context_files``)
+    if not isinstance(contexts, dict):
+        raise ConfigError(
+            f"attention.contexts must be a mapping name -> file or a directory, got {type(contexts).__name__}"
+        )
+    if not contexts:
+        raise ConfigError("attention.contexts must name at least one private context")
+    for name, path in contexts.items():
+        _check_context_name(name)
+        if not isinstance(path, str):
+            raise ConfigError(f"attention.contexts.{name} must be a file path, got {path!r}")
+
+
+def _check_context_name(name: Any) -> None:
+    if not isinstance(name, str) or not CONTEXT_NAME.fullmatch(name):
+        raise ConfigError(
+            f"attention.contexts: context name {name!r} must match {CONTEXT_NAME.pattern} "
+            "(names are public: /v1/dp/budget lists them)"
+        )
 
 
 PROMPT_MODES = ("tokens", "embeddings")

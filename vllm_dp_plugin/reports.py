@@ -51,7 +51,8 @@ def prompt_report(prompt: PromptPrivacyConfig) -> str:
 
 
 def attention_report(att: AttentionPrivacyConfig) -> str:
-    """The per-(layer, kv head) release and the composed total for one private context."""
+    """The per-(layer, kv head) release and the composed total for one private context, and
+    which contexts the configuration serves (each spends that total on its own)."""
     k = att.releases()
     ledger = plan_releases(
         att.total, k, att.mechanism, att.composition, label="(layer, kv head) release"
@@ -69,5 +70,16 @@ def attention_report(att: AttentionPrivacyConfig) -> str:
             f"  noise std per unit of sensitivity: {math.sqrt(mechanism.variance):.6g}",
             f"  budget asked: {att.total}",
             f"  spent per private context ({att.composition} composition): {ledger.spent()}",
+            *([contexts_line(att)] if att.serves_context else []),
         ]
     )
+
+
+def contexts_line(att: AttentionPrivacyConfig) -> str:
+    """The served private contexts by name (a ``contexts`` directory is not listed: its paths
+    are relative to the served configuration file)."""
+    if isinstance(att.contexts, str):
+        names = f"the *.txt / *.jsonl files of {att.contexts}, named by stem"
+    else:
+        names = ", ".join(att.context_files())
+    return f"  private contexts: {names}; each is its own protected dataset and spends the budget above on its own"

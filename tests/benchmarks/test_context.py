@@ -106,17 +106,24 @@ CHATML_LIKE = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s
                "{% if add_generation_prompt %}<s>assistant\n{% endif %}")  # BOS opens every turn (SmolLM2)
 
 
-@pytest.mark.parametrize("template", ["demo", "chatml_like"])
+@pytest.mark.parametrize("template", ["demo", "chatml_like", "chatml_like_adding_bos"])
 def test_every_row_sees_the_same_tokens_as_full(demo_model, template):
-    """DP rows send the user turn; the DP renderer's prepend (context ids + request ids, one
-    leading BOS dropped) must rebuild exactly the ``full`` prompt; ``none`` is the user turn."""
+    """DP rows send the user turn; the DP renderer's prepend (context ids + request ids, a
+    leading BOS dropped only if the tokenizer adds one) must rebuild exactly the ``full`` prompt;
+    ``none`` is the user turn."""
+    from tokenizers import processors
     from transformers import AutoTokenizer
 
-    from vllm_dp_plugin.serving.context import PrivateContext, tokenize_context
+    from vllm_dp_plugin.serving.context import PrivateContext, added_bos, tokenize_context
 
     tok = AutoTokenizer.from_pretrained(demo_model)
-    if template == "chatml_like":
+    if template.startswith("chatml_like"):
         tok.chat_template = CHATML_LIKE
+    assert added_bos(tok) is None  # the demo tokenizer names <s> but never adds it (as SmolLM2)
+    if template.endswith("adding_bos"):  # a tokenizer that starts every text with BOS (Llama)
+        tok._tokenizer.post_processor = processors.TemplateProcessing(
+            single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", tok.bos_token_id)])
+        assert added_bos(tok) == tok.bos_token_id
     layout = bench.ChatLayout(tok)
     s = bench.make_scenarios(1, seed=3)[0]
     q = s["questions"][0]["q"]
@@ -128,11 +135,14 @@ def test_every_row_sees_the_same_tokens_as_full(demo_model, template):
     rendered = tok.apply_chat_template([{"role": "system", "content": "\n".join(s["documents"])},
                                         {"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
     assert tok.decode(full) == rendered  # the chat template's own rendering, BOS once
-    context = SimpleNamespace(token_ids=tuple(ctx), bos_token_id=tok.bos_token_id)  # the renderer's rule:
+    context = SimpleNamespace(token_ids=tuple(ctx), bos_token_id=added_bos(tok))  # the renderer's rule:
     served = PrivateContext.prepend(context, layout.dp_ids(s["documents"], q))
     assert served == full
     none = layout.none_ids(s["documents"], q)
-    assert none[0] == tok.bos_token_id and none[1:] == full[len(full) - len(none) + 1:]
+    if added_bos(tok) is None:  # the user turn as the template renders it
+        assert none == full[len(full) - len(none):]
+    else:  # the user turn after the BOS the tokenizer adds
+        assert none[0] == tok.bos_token_id and none[1:] == full[len(full) - len(none) + 1:]
     dp = bench.dp_request(layout, s, s["questions"][0])
     assert dp.extra == {"vllm_xargs": {"dp_context": s["id"]}} and dp.expected_prompt_tokens == len(full)
 

@@ -7,7 +7,11 @@ A script (CPU vLLM forces spawn, hence the __main__ guard) driven by a JSON job:
 (Whisper: 1 s sine clips), ``{"poison_private_kv": true}`` (overwrite, on every worker, the
 cache rows the DP backend collected as private with NaN) or ``{"cross_releases": true}``
 (per worker: the DP cross-attention releases each layer holds) or ``{"release_checksums": true}``
-(every worker's decoder releases, merged by global KV head) or ``{"layer_report": true}`` (the
+(every worker's decoder releases, merged by context and global KV head) or
+``{"swap_release": [into, from]}`` (every DP layer of every worker: context ``into`` answers from
+context ``from``'s release) or ``{"mixed": [[context, prompt], ...], "max_tokens": n}`` (requests
+of several private contexts added together, so they share every step; returns the token ids and the
+number of requests with output after each engine step) or ``{"layer_report": true}`` (the
 start-up layer check's worker method, per worker) or ``{"arrivals": [[after, hz, max_tokens], ...]}``
 (Whisper requests joining a running engine, see ``arrivals_step``); the poison step also reports, per
 worker and layer, whether the fused CPU kernel answers the exact public part. A generation step with
@@ -57,17 +61,56 @@ def cross_releases(worker) -> dict:
 
 
 def release_checksums(worker) -> dict:
-    """Global KV head -> [sum, sum of squares] of its released state, per decoder layer."""
+    """"context:layer/kv_head=g" -> [sum, sum of squares] of that global KV head's released state."""
     out = {}
     for name, module in worker.model_runner.model.named_modules():
-        layer = getattr(getattr(module, "impl", None), "_layer", None)
-        if layer is None or not layer.released:
-            continue
-        state = layer._dp._release.state  # [H_local, F, W] float64
-        for g in range(state.shape[0]):
-            head = layer.heads.kv_offset + g
-            out[f"{name}/kv_head={head}"] = [float(state[g].sum()), float((state[g] ** 2).sum())]
+        impl = getattr(module, "impl", None)
+        for c, layer in getattr(impl, "_layers", {}).items():
+            if not layer.released:
+                continue
+            state = layer._dp._release.state  # [H_local, F, W] float64
+            for g in range(state.shape[0]):
+                head = layer.heads.kv_offset + g
+                out[f"{impl._contexts[c].name}:{name}/kv_head={head}"] = [float(state[g].sum()), float((state[g] ** 2).sum())]
     return out
+
+
+def swap_release(worker, names) -> int:
+    """In every DP layer, make context ``names[0]`` answer from context ``names[1]``'s release
+    (what a request routed to the wrong release would get). Returns the number of layers changed."""
+    swapped = 0
+    for module in worker.model_runner.model.modules():
+        impl = getattr(module, "impl", None)
+        if not getattr(impl, "_layers", None):
+            continue
+        index = {c.name: i for i, c in enumerate(impl._contexts)}
+        into, source = (impl._layers[index[n]]._dp for n in names)
+        into._release, into._query_path = source._release, source._query_path
+        swapped += 1
+    return swapped
+
+
+def mixed_step(llm, step):
+    """Requests of several private contexts in one batch: each ``[context, prompt]`` is rendered
+    under its own ``prompt_request(dp_context=...)`` and added to the engine before it steps, so
+    they are scheduled together (greedy, ``max_tokens``); steps until all finish."""
+    from vllm import SamplingParams
+
+    from vllm_dp_plugin.prompt.session import prompt_request
+
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=step.get("max_tokens", 8))
+    for i, (name, prompt) in enumerate(step["mixed"]):
+        with prompt_request(dp_context=name):
+            engine.add_request(str(i), prompt, params)
+    tokens, outputs = {}, []
+    while engine.has_unfinished_requests():
+        step_outputs = engine.step()
+        outputs.append(len(step_outputs))
+        for out in step_outputs:
+            if out.finished:
+                tokens[int(out.request_id)] = list(out.outputs[0].token_ids)
+    return {"token_ids": [tokens[i] for i in range(len(step["mixed"]))], "outputs_per_step": outputs}
 
 
 def whisper_prompts(frequencies):
@@ -135,6 +178,10 @@ def run_step(llm, step):
         return {"layer_report": llm.collective_rpc("dp_privacy_layers")}
     if "arrivals" in step:
         return arrivals_step(llm, step["arrivals"])
+    if "mixed" in step:
+        return mixed_step(llm, step)
+    if "swap_release" in step:
+        return {"swapped": llm.collective_rpc(swap_release, args=(step["swap_release"],))}
     if step.get("cross_releases"):
         return {"cross_releases": llm.collective_rpc(cross_releases)}
     if step.get("release_checksums"):

@@ -92,5 +92,5 @@ def dp_section(tmp: Path, epsilon: float, **attention) -> dict:
 
 
 def write_dp_yaml(path: Path, section: dict) -> Path:
-    path.write_text(yaml.safe_dump({"dp_privacy": section}))
+    path.write_text(yaml.safe_dump({"dp_privacy": section}, sort_keys=False))  # as written: contexts' order
     return path

@@ -115,15 +115,16 @@ def test_tensor_parallel_2_releases_the_structure_of_tp_1(noisy_dp, demo_model, 
 @pytest.mark.vllm
 def test_every_worker_layer_reports_the_dp_path_the_startup_check_requires(noisy_dp):
     """The method the general plugin installs on vLLM's workers (called by the endpoint plugin
-    at start-up): both layers are DP impls, on, holding one context label, at the layer's scale;
-    the start-up check accepts it and refuses it with one layer turned off."""
+    at start-up): both layers are DP impls, on, holding the one context's label, at the layer's
+    scale, on a model runner that routes requests to their contexts; the start-up check accepts it
+    and refuses it with one layer turned off."""
     from vllm_dp_plugin.config import ConfigError
     from vllm_dp_plugin.serving.verify import check_layers
 
     (layers,) = noisy_dp[5]["layer_report"]
-    assert len(layers) == 2 and all(entry["dp"] and entry["on"] for entry in layers)
-    label, scale = layers[0]["label"], layers[0]["scale"]
-    assert label is not None and all(entry["label"] == label for entry in layers)
-    check_layers([layers], layers=2, label=label, scale=scale)
+    assert len(layers) == 2 and all(entry["dp"] and entry["on"] and entry["routes_contexts"] for entry in layers)
+    labels, scale = layers[0]["labels"], layers[0]["scale"]
+    assert len(labels) == 1 and all(entry["labels"] == labels for entry in layers)
+    check_layers([layers], layers=2, labels=labels, scale=scale)
     with pytest.raises(ConfigError, match="not served"):
-        check_layers([[{**layers[0], "on": False}, layers[1]]], layers=2, label=label, scale=scale)
+        check_layers([[{**layers[0], "on": False}, layers[1]]], layers=2, labels=labels, scale=scale)

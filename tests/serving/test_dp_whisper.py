@@ -70,7 +70,7 @@ def cross_layer():
     from vllm_dp_plugin.serving import backend
 
     class Builder(backend.DPBuilderMixin, ParentBuilder):
-        _dp_enabled = True
+        _dp_enabled, _dp_contexts = True, False  # Whisper: DP on, no operator-given contexts
 
     class Impl(backend.DPImplMixin, ParentImpl):
         attn_type = AttentionType.ENCODER_DECODER

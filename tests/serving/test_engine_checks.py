@@ -66,7 +66,8 @@ def test_routed_experts_are_refused(demo_model, tmp_path):
 
 
 def identity(model, section):
-    return settings.private_context(vllm_config(model, section)).identity
+    (context,) = settings.private_contexts(vllm_config(model, section))
+    return context.identity
 
 
 def test_release_identity_follows_what_the_state_depends_on_not_paths(demo_model, tmp_path):
@@ -101,9 +102,10 @@ def test_budget_label_is_keyed_not_a_hash_of_the_context(demo_model, tmp_path):
     assert label == settings.budget_payload(vllm_config(demo_model, section))["contexts"][0]["context"]
     other_key = {**section, "key_file": str(tmp_path / "other.key")}
     assert settings.budget_payload(vllm_config(demo_model, other_key))["contexts"][0]["context"] != label
-    ident = settings.private_context(config).identity
+    (context,) = settings.private_contexts(config)
+    ident = context.identity
     assert ident.subject[:16] not in label and ident.release[:16] not in label
-    ids = settings.private_context(config).token_ids
+    ids = context.token_ids
     assert context_id(ids)[:12] not in label
 
 
@@ -120,8 +122,8 @@ def test_ledger_refuses_a_second_release_under_other_noise(demo_model, tmp_path)
     assert ledger["releases_of_this_context"] == 2
     assert ledger["total_spent"]["epsilon"] == pytest.approx(2.0 + 4.0, rel=1e-6)
     text = (tmp_path / "releases.jsonl").read_text()
-    assert "Bluebird" not in text and json.dumps(list(settings.private_context(
-        vllm_config(demo_model, section)).token_ids[:4]))[1:-1] not in text
+    assert "Bluebird" not in text and json.dumps(list(settings.private_contexts(
+        vllm_config(demo_model, section))[0].token_ids[:4]))[1:-1] not in text
 
 
 def test_softmax_scale_follows_a_query_pre_attention_scalar(demo_model, tmp_path):
@@ -132,13 +134,14 @@ def test_softmax_scale_follows_a_query_pre_attention_scalar(demo_model, tmp_path
     assert settings.ModelShape.of(config).scale == pytest.approx(256 ** -0.5)
 
 
-def report(n, *, dp=True, on=True, label="L", scale=0.125, attn_type="decoder", layer="Attention"):
+def report(n, *, dp=True, on=True, labels=("L",), scale=0.125, attn_type="decoder", layer="Attention"):
     return [{"name": f"model.layers.{i}.self_attn.attn", "layer": layer, "impl": "DPCPUImpl", "dp": dp,
-             "on": on, "attn_type": attn_type, "label": label, "scale": scale} for i in range(n)]
+             "on": on, "attn_type": attn_type, "labels": None if labels is None else list(labels),
+             "routes_contexts": True, "scale": scale} for i in range(n)]
 
 
 def test_layer_check_passes_when_every_layer_is_a_dp_impl_on_the_same_context():
-    check_layers([report(2), report(2)], layers=2, label="L", scale=0.125)  # two TP ranks
+    check_layers([report(2), report(2)], layers=2, labels=["L"], scale=0.125)  # two TP ranks
 
 
 @pytest.mark.parametrize(
@@ -147,22 +150,22 @@ def test_layer_check_passes_when_every_layer_is_a_dp_impl_on_the_same_context():
         ([report(2, dp=False)], "not served by the DP attention backend"),  # CUDA without CUSTOM
         ([report(2, on=False)], "not served by the DP attention backend"),
         ([report(1) + report(1, dp=False, layer="MambaMixer2", attn_type="None")], "not served"),
-        ([report(2, label="M")], "different context files"),
+        ([report(2, labels=("M",))], "different context files"),
         ([report(2, scale=0.0625)], "softmax scale"),
         ([report(1)], "1 DP layers of the model's 2"),
     ],
 )
 def test_layer_check_refuses_to_serve(reports, match):
     with pytest.raises(ConfigError, match=match):
-        check_layers(reports, layers=2, label="L", scale=0.125)
+        check_layers(reports, layers=2, labels=["L"], scale=0.125)
 
 
 def test_whisper_layer_check_looks_at_cross_attention_only():
-    cross = report(2, attn_type="encoder_decoder", label=None)
-    public = report(2, dp=False, attn_type="encoder", label=None)
-    check_layers([cross + public], layers=2, label=None, scale=0.125)
+    cross = report(2, attn_type="encoder_decoder", labels=None)
+    public = report(2, dp=False, attn_type="encoder", labels=None)
+    check_layers([cross + public], layers=2, labels=None, scale=0.125)
     with pytest.raises(ConfigError, match="not served"):
-        check_layers([report(2, dp=False, attn_type="encoder_decoder") + public], layers=2, label=None, scale=0.125)
+        check_layers([report(2, dp=False, attn_type="encoder_decoder") + public], layers=2, labels=None, scale=0.125)
 
 
 def test_init_state_refuses_an_engine_whose_layers_are_not_dp(demo_model, tmp_path):
@@ -174,7 +177,7 @@ def test_init_state_refuses_an_engine_whose_layers_are_not_dp(demo_model, tmp_pa
     from vllm_dp_plugin.serving.http import DPPrivacyEndpoints
 
     config = vllm_config(demo_model, dp_section(tmp_path, 2.0))
-    label = settings.private_context(config).identity.label
+    labels = [c.identity.label for c in settings.private_contexts(config)]
     scale = settings.ModelShape.of(config).scale
 
     class Engine:
@@ -189,11 +192,11 @@ def test_init_state_refuses_an_engine_whose_layers_are_not_dp(demo_model, tmp_pa
 
     args = SimpleNamespace(enable_log_requests=False)
     state = SimpleNamespace()
-    asyncio.run(DPPrivacyEndpoints().init_state(Engine(report(2, label=label, scale=scale)), state, args))
-    assert state.dp_guard and "/v1/completions" in state.dp_routes
+    asyncio.run(DPPrivacyEndpoints().init_state(Engine(report(2, labels=labels, scale=scale)), state, args))
+    assert state.dp_guard and "/v1/completions" in state.dp_routes and state.dp_contexts == ("default",)
     with pytest.raises(ConfigError, match="not served by the DP attention backend"):
         asyncio.run(DPPrivacyEndpoints().init_state(
-            Engine(report(2, dp=False, label=label, scale=scale)), SimpleNamespace(), args))
+            Engine(report(2, dp=False, labels=labels, scale=scale)), SimpleNamespace(), args))
 
 
 def test_request_logging_at_debug_is_refused(monkeypatch):

@@ -48,26 +48,30 @@ class BatchLayout:
         counts = (self.query_start[1:] - self.query_start[:-1]).long()
         return torch.repeat_interleave(torch.arange(self.num_requests), counts)
 
-    def public_queries(self, first_row: int) -> PublicQueries:
-        """The step's tokens at positions >= ``first_row`` and the rows their exact part reads;
-        computed once per step and shared by every layer (cached on this layout)."""
+    def public_queries(self, first_row: int | torch.Tensor) -> PublicQueries:
+        """The step's tokens at positions >= their request's ``first_row`` (one for every request,
+        or ``[B]``, one per request) and the rows their exact part reads; computed once per step
+        and shared by every layer (cached on this layout)."""
         cache = self.__dict__.setdefault("_public_queries", {})  # frozen: no setattr
-        if first_row not in cache:
-            cache[first_row] = _public_queries(self, first_row)
-        return cache[first_row]
+        key = first_row if isinstance(first_row, int) else tuple(first_row.tolist())
+        if key not in cache:
+            cache[key] = _public_queries(self, first_row)
+        return cache[key]
 
 
 @dataclass(frozen=True)
 class PublicQueries:
-    """Query tokens at positions >= ``first_row`` of a step: ``tokens`` selects them among the
-    step's tokens (``slice(None)`` when every token is public, else a ``[T]`` mask);
-    ``positions, span: [m]`` (span: index into the R requests holding them, in order);
-    ``start, end: [R]`` = ``first_row`` and the request's ``seq_len`` (the rows the exact part
-    reads); ``block_table: [R, max_blocks]``."""
+    """Query tokens at positions >= their request's first public row of a step: ``tokens``
+    selects them among the step's tokens (``slice(None)`` when every token is public, else a
+    ``[T]`` mask); ``positions, span: [m]`` (span: index into the R requests holding them, in
+    order); ``requests: [R]`` those requests' batch indices; ``start, end: [R]`` = the first
+    public row and the request's ``seq_len`` (the rows the exact part reads);
+    ``block_table: [R, max_blocks]``."""
 
     tokens: slice | torch.Tensor
     positions: torch.Tensor
     span: torch.Tensor
+    requests: torch.Tensor
     start: torch.Tensor
     end: torch.Tensor
     block_table: torch.Tensor
@@ -82,8 +86,9 @@ class PublicQueries:
         return isinstance(self.tokens, slice)
 
 
-def _public_queries(layout: BatchLayout, first_row: int) -> PublicQueries:
-    public = layout.positions >= first_row
+def _public_queries(layout: BatchLayout, first_row: int | torch.Tensor) -> PublicQueries:
+    per_token = first_row if isinstance(first_row, int) else first_row[layout.request_of_tokens()]
+    public = layout.positions >= per_token
     tokens = slice(None) if bool(public.all()) else public
     request = layout.request_of_tokens()[tokens]  # grouped by request, in order
     requests = torch.unique_consecutive(request)
@@ -91,9 +96,10 @@ def _public_queries(layout: BatchLayout, first_row: int) -> PublicQueries:
         table = layout.block_table[: layout.num_requests]
     else:
         table = layout.block_table[requests.to(layout.block_table.device)]
+    start = torch.full_like(requests, first_row) if isinstance(first_row, int) else first_row[requests].long()
     return PublicQueries(
-        tokens, layout.positions[tokens], torch.searchsorted(requests, request),
-        torch.full_like(requests, first_row), layout.seq_lens[requests].long(), table,
+        tokens, layout.positions[tokens], torch.searchsorted(requests, request), requests,
+        start, layout.seq_lens[requests].long(), table,
     )
 
 

@@ -60,7 +60,8 @@ OPTION_PREFIX = "dp_"
 OPTION_MECHANISM = "dp_mechanism"
 OPTION_EPSILON = "dp_epsilon"
 OPTION_SESSION = "dp_session"
-OPTIONS = (OPTION_MECHANISM, OPTION_EPSILON, OPTION_SESSION)
+OPTION_CONTEXT = "dp_context"  # which private context (attention.contexts): serving.context.select_context
+OPTIONS = (OPTION_MECHANISM, OPTION_EPSILON, OPTION_SESSION, OPTION_CONTEXT)
 OVERRIDES = (OPTION_MECHANISM, OPTION_EPSILON)  # need allow_request_override
 MIN_SESSION_CHARS = 22  # a secret: 22 characters of secrets.token_urlsafe are 132 bits
 MAX_SESSION_CHARS = 256
@@ -105,14 +106,11 @@ def resolve_options(overrides: Mapping[str, Any] | None, cfg, credential: bytes 
     number > 0 or exceeds ``max_epsilon``, a session that is not a string of
     ``MIN_SESSION_CHARS`` to ``MAX_SESSION_CHARS`` characters, and mechanism/epsilon overrides on
     a deployment with ``allow_request_override: false`` raise ``PromptOptionError`` naming the
-    option.
+    option. ``dp_context`` (the private context, checked by the renderer) does not change
+    privatization.
     """
     overrides = dict(overrides or {})
-    unknown = sorted(set(overrides) - set(OPTIONS))
-    if unknown:
-        raise PromptOptionError(
-            f"unknown prompt privacy option(s) {unknown} in vllm_xargs; known options are {list(OPTIONS)}"
-        )
+    check_option_names(overrides, OPTIONS)
     asked = [k for k in OVERRIDES if overrides.get(k) is not None]
     if asked and not cfg.allow_request_override:
         raise PromptOptionError(
@@ -141,6 +139,15 @@ def resolve_options(overrides: Mapping[str, Any] | None, cfg, credential: bytes 
             "history cache, and whoever can guess it can test which texts were sent in it"
         )
     return PromptOptions(mechanism, float(epsilon), float(cfg.delta), cfg.mode, session, bytes(credential))
+
+
+def check_option_names(overrides: Mapping[str, Any], known: Sequence[str]) -> None:
+    """``PromptOptionError`` naming the ``dp_*`` options of ``overrides`` not in ``known``."""
+    unknown = sorted(set(overrides) - set(known))
+    if unknown:
+        raise PromptOptionError(
+            f"unknown prompt privacy option(s) {unknown} in vllm_xargs; known options are {list(known)}"
+        )
 
 
 def _request_epsilon(value: Any, max_epsilon: float | None) -> float:

@@ -5,12 +5,16 @@
   ``-ac.backend_per_kind '{"cross_attention": "CUSTOM"}'``).
 Without ``dp_privacy.attention`` both are exact pass-throughs to the parent backend.
 
-Decoder-only models (private context at positions [0, P) of every request):
-* ``do_kv_cache_update`` writes the cache as usual and hands rows at positions < P to the
-  layer's ``PrivateContextLayer``; when all P rows are present it releases once, with keyed noise.
-* ``forward`` answers a query at position p >= P as merge(DP part over [0, P), exact part over
-  [P, p]), computed from cache rows >= P only; queries at private positions (the prefix's own
-  prefill) attend exactly with the parent's kernel, as they compute the private K/V themselves.
+Decoder-only models (each request reads one of the private contexts, at positions [0, P_c); the
+model runner announces which, from the request's own ids: ``batch_contexts``):
+* ``do_kv_cache_update`` writes the cache as usual and hands the rows at positions < P_c of a
+  request reading context c to c's ``PrivateContextLayer`` (and to every other context sharing
+  those leading ids: the prefix cache may serve them to its requests); when all P_c rows are
+  present it releases once, with noise keyed by c's identity.
+* ``forward`` answers a query at position p >= P_c as merge(DP part from c's release only, exact
+  part over [P_c, p]), computed from cache rows >= P_c only; queries at private positions (a
+  context's own prefill) attend exactly with the parent's kernel, as they compute the private K/V
+  themselves.
 Encoder-decoder models (Whisper): each request's encoder K/V are released when first written
 (they are not stored in the cache at all) and every cross-attention query reads only the release.
 """
@@ -37,26 +41,35 @@ from ..attention.private_context import HeadLayout, PrivateContextLayer
 from ..config import ConfigError
 from ..kernels.paged_exact import fused_available, paged_exact
 from ..privacy.keyed_noise import NoiseKey, context_id
+from .batch_contexts import BatchContexts, announced
+from .context import shared_prefix_lengths
 from .settings import (
     budget_payload,
     check_prompt_serving,
     check_serving,
     context_plan,
     dp_config,
-    private_context,
+    private_contexts,
     raw_config_json,
     register_release,
+    serves_private_contexts,
 )
 
 logger = logging.getLogger("vllm.dp_privacy")  # inherits vLLM's log handler
 
 
 class DPBuilderMixin:
-    """Adds ``dp_layout`` (positions, CPU offsets, block table) to the backend's metadata."""
+    """Adds ``dp_layout`` (positions, CPU offsets, block table) and, with private contexts,
+    ``dp_contexts`` (the context each request reads, as the model runner announced it) to the
+    backend's metadata."""
 
     @functools.cached_property
     def _dp_enabled(self) -> bool:
         return dp_config(self.vllm_config).enabled
+
+    @functools.cached_property
+    def _dp_contexts(self) -> bool:
+        return serves_private_contexts(self.vllm_config)
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
         md = super().build(common_prefix_len, common_attn_metadata, fast_build)
@@ -68,6 +81,7 @@ class DPBuilderMixin:
         seq_lens = cm.seq_lens.cpu()
         md.dp_layout = BatchLayout(cm.query_start_loc_cpu, seq_lens, positions, cm.block_table_tensor)
         md.dp_new_encoder_lens = _new_encoder_rows(cm.encoder_seq_lens_cpu, md.dp_layout)
+        md.dp_contexts = announced(md.dp_layout.num_requests) if self._dp_contexts else None
         return md
 
 
@@ -116,13 +130,14 @@ class DPImplMixin:
         self._heads = HeadLayout.for_rank(
             vllm_config.model_config.get_total_num_kv_heads(), self.num_heads * tp, tp, rank
         )
-        self._layer: PrivateContextLayer | None = None  # decoder: created on first use
         self._cross: dict[int, PrivateContextLayer] = {}  # enc-dec: first block -> release, last step's requests
         self._cross_plans: dict = {}  # enc-dec: encoder length -> ContextPlan
         _validate_once(vllm_config)
         if self.attn_type == AttentionType.DECODER:
-            self._context = private_context(vllm_config)
-            self._private_slots = torch.empty(0, dtype=torch.long)  # cache slots of private rows
+            self._contexts = private_contexts(vllm_config)
+            self._shared = shared_prefix_lengths(self._contexts)  # [C, C] leading ids in common
+            self._layers: dict[int, PrivateContextLayer] = {}  # context index -> release, created on first use
+            self._private_slots = torch.empty(0, dtype=torch.long)  # cache slots of private rows, any context
 
     def _check_layer_features(self) -> None:
         """Refuse layer features the DP path does not implement (it would silently ignore them:
@@ -147,13 +162,14 @@ class DPImplMixin:
     def fused_qk_norm_rope_kvcache_supported(self) -> bool:
         return not self._dp_on and super().fused_qk_norm_rope_kvcache_supported()
 
-    # ------------------------------------------------------------------ decoder: private prefix
-    def _private_layer(self, layer) -> PrivateContextLayer:
-        if self._layer is None:
+    # ------------------------------------------------------------------ decoder: private prefixes
+    def _private_layer(self, layer, c: int) -> PrivateContextLayer:
+        """Context ``c``'s collector/release in this layer (planned for its length)."""
+        if c not in self._layers:
             index = extract_layer_index(layer.layer_name)
-            plan = context_plan(self._vllm_config, "self_attention", self._context.length, self.scale)
-            self._layer = plan.layer(index, self._heads)
-        return self._layer
+            plan = context_plan(self._vllm_config, "self_attention", self._contexts[c].length, self.scale)
+            self._layers[c] = plan.layer(index, self._heads)
+        return self._layers[c]
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         if not self._dp_on:
@@ -165,16 +181,29 @@ class DPImplMixin:
 
         md = get_forward_context().attn_metadata
         md = md[layer.layer_name] if isinstance(md, dict) else md
-        positions = md.dp_layout.positions[: key.shape[0]]
-        private = positions < self._context.length
-        if bool(private.any()):
-            slots = slot_mapping[: key.shape[0]][private.to(slot_mapping.device)].cpu().long()
-            self._private_slots = torch.unique(torch.cat([self._private_slots, slots]))
-            dp = self._private_layer(layer)
-            dp.collect(positions[private], key[private.to(key.device)], value[private.to(value.device)])
-            if dp.complete:
-                dp.release(self._key, self._context.identity.release)
-                logger.info("vllm-dp: layer %d released (context %s)", dp.layer, self._context.identity.label)
+        lay, contexts = md.dp_layout, md.dp_contexts
+        n = key.shape[0]
+        positions, request = lay.positions[:n], lay.request_of_tokens()[:n]
+        owner = contexts.index[request]  # [n]: the context each row's request reads
+        private = positions < contexts.length[request]
+        if not bool(private.any()):
+            return
+        slots = slot_mapping[:n][private.to(slot_mapping.device)].cpu().long()
+        self._private_slots = torch.unique(torch.cat([self._private_slots, slots]))
+        for c in range(len(self._contexts)):
+            rows = positions < self._shared[owner, c]  # row p of owner's context is row p of c
+            if bool(rows.any()):
+                self._collect(layer, c, positions[rows], key[rows.to(key.device)], value[rows.to(value.device)])
+
+    def _collect(self, layer, c: int, positions, key, value) -> None:
+        """Rows ``positions: [t]`` of context ``c`` (``key, value: [t, H_kv, d]``); releases the
+        layer's part of ``c`` (noise keyed by c's identity) once all its rows are in."""
+        dp = self._private_layer(layer, c)
+        dp.collect(positions, key, value)
+        if dp.complete:
+            context = self._contexts[c]
+            dp.release(self._key, context.identity.release)
+            logger.info("vllm-dp: layer %d released (context %r %s)", dp.layer, context.name, context.identity.label)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
         if not self._dp_on or attn_metadata is None:
@@ -182,25 +211,39 @@ class DPImplMixin:
         if self.attn_type == AttentionType.ENCODER_DECODER:
             return self._cross_forward(layer, query, key, value, attn_metadata, output)
         key_cache, value_cache = self._paged_kv(kv_cache, layer)
+        contexts: BatchContexts = attn_metadata.dp_contexts
         n = attn_metadata.dp_layout.positions.shape[0]
-        public = attn_metadata.dp_layout.public_queries(self._context.length)
+        public = attn_metadata.dp_layout.public_queries(contexts.length)
         if not public.everything:
-            # The context's own prefill (once per context with prefix caching): the parent's
+            # A context's own prefill (once per context with prefix caching): the parent's
             # kernel gives the exact causal attention its private queries need. Rows of public
             # tokens in this batch are overwritten below before anything reads them.
             super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
-        if public.count:  # DP over [0, P) merged with exact over [P, p]
+        if public.count:  # DP over [0, P_c) merged with exact over [P_c, p]
             on = _on(public.tokens, query)
             q = query[:n][on]
             exact = self._exact(q, public, key_cache, value_cache)
-            dp = self._private_layer(layer).answer(q)
+            dp = self._dp_part(layer, q, contexts.index[public.requests][public.span])
             merged = merge_parts(dp, AttentionPart(exact.out.double(), exact.lse.double()))
             rows = output[:n].view(n, self.num_heads, self.head_size)
             rows[on] = merged.out.transpose(0, 1).to(output.dtype)
         return output
 
+    def _dp_part(self, layer, q, owner: torch.Tensor) -> AttentionPart:
+        """DP part of the public queries ``q: [m, H_q, d]`` whose requests read the contexts
+        ``owner: [m]``, each answered from its own context's release only: ``out: [H_q, m, d]``,
+        ``lse: [H_q, m]`` (float64)."""
+        contexts = torch.unique(owner).tolist()
+        if len(contexts) == 1:
+            return self._private_layer(layer, contexts[0]).answer(q)
+        picks = [torch.nonzero(owner == c).flatten() for c in contexts]  # each context's queries
+        parts = [self._private_layer(layer, c).answer(q[_on(pick, q)]) for c, pick in zip(contexts, picks, strict=True)]
+        back = torch.argsort(torch.cat(picks))  # grouped by context -> batch order
+        out, lse = torch.cat([p.out for p in parts], dim=1), torch.cat([p.lse for p in parts], dim=1)
+        return AttentionPart(out[:, _on(back, out)], lse[:, _on(back, lse)])
+
     def _exact(self, q, public: PublicQueries, key_cache, value_cache) -> AttentionPart:
-        """Exact causal attention of the public queries ``q: [m, H_q, d]`` over rows [P, p] of
+        """Exact causal attention of the public queries ``q: [m, H_q, d]`` over rows [P_c, p] of
         their own requests (the fused CPU kernel, else the torch reference)."""
         if self._fused_exact:
             return paged_exact(q, public.positions, public.span, key_cache, value_cache, public.block_table,
@@ -278,17 +321,18 @@ KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float")  #
 
 
 def _validate_once(vllm_config) -> None:
-    """Plan and account the configured release at start-up (bad bounds, calibration or budget
-    fail here, before any request), once per process; records a decoder-only context's release
-    in the release ledger (refusing one under other noise); logs the privacy statement."""
+    """Plan and account the configured releases at start-up (bad bounds, calibration or budget
+    fail here, before any request), once per process; records each decoder-only context's
+    release in the release ledger (refusing one under other noise); logs the privacy statement,
+    one line per context."""
     ident = raw_config_json(vllm_config)
     if ident in _VALIDATED:
         return
-    if dp_config(vllm_config).attention.private_context is not None:
+    if serves_private_contexts(vllm_config):
         register_release(vllm_config)
     payload = budget_payload(vllm_config)
-    logger.info("vllm-dp: DP attention on: %s", payload)
     for ctx in payload["contexts"]:
+        logger.info("vllm-dp: DP attention on: %s", ctx)
         errors = ctx["kernel_error"]
         if any(e is None or e > OUT_OF_REGIME for e in errors):
             logger.warning(

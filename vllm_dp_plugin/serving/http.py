@@ -1,8 +1,8 @@
 """HTTP surface of the plugin (``vllm.endpoint_plugins`` entry ``dp_privacy``).
 
-* ``GET /v1/dp/budget``: the privacy statement of the served private context(s): (eps, delta)
-  spent, per release and in total, and the guarantee's unit; and the per-token statement of
-  prompt privatization when it is on.
+* ``GET /v1/dp/budget``: the privacy statement of each served private context (name, keyed
+  label, tokens): (eps, delta) spent, per release and in total, and the guarantee's unit; and the
+  per-token statement of prompt privatization when it is on.
 * A guard in front of the OpenAI routes while any DP feature is on: POST routes outside the
   allowlist of the features on (``allowed_post``: the routes whose prompts go through the
   ``dp_private`` renderer, or, for Whisper, the transcription routes) get a 403, so a route that
@@ -12,8 +12,12 @@
   (``cache_salt``, ``kv_transfer_params``) get a 400 naming the field. The check reads only field
   names and flags, never logs text.
 * At start-up (``init_state``): every worker's every attention layer is checked to be a DP impl
-  holding the renderer's context (``verify``), and request logging at DEBUG (which logs prompt
+  holding the renderer's contexts (``verify``), and request logging at DEBUG (which logs prompt
   ids and bodies) is refused.
+* While private contexts are served: ``vllm_xargs.dp_context`` must name one (400 naming the
+  option and the known names) and is handed to the renderer for this request; without prompt
+  privatization any other ``dp_*`` option gets a 400 too (a typo must not silently pick the
+  default context).
 * While prompt privatization is on: the ``dp_*`` options of ``vllm_xargs`` are validated (400
   with the option's name) and handed to the renderer for this request; client-side
   ``prompt_embeds`` and ``kv_transfer_params.prompt_token_ids`` (both would bypass the
@@ -31,14 +35,22 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from ..config import ConfigError
-from ..prompt.session import PromptRequest, bound_request, option_overrides, resolve_options
+from ..prompt.session import (
+    OPTION_CONTEXT,
+    PromptRequest,
+    bound_request,
+    check_option_names,
+    option_overrides,
+    resolve_options,
+)
+from .context import select_context
 from .settings import (
     PLUGIN_NAME,
     ModelShape,
     budget_payload,
     check_prompt_serving,
     dp_config,
-    private_context,
+    private_contexts,
     prompt_payload,
 )
 from .verify import LAYER_REPORT, check_layers
@@ -104,6 +116,21 @@ def prompt_refusal(body: dict, prompt_cfg) -> tuple[int, str] | None:
     return None
 
 
+def context_refusal(body: dict, contexts: tuple[str, ...], prompt: bool) -> tuple[int, str] | None:
+    """(400, message) for a ``vllm_xargs.dp_context`` naming none of the served ``contexts`` (any
+    name when none is served) and, without prompt privatization (whose options ``prompt_refusal``
+    checks), for any other ``dp_*`` option."""
+    overrides = option_overrides(body.get("vllm_xargs"))
+    try:
+        if not prompt:
+            check_option_names(overrides, (OPTION_CONTEXT,))
+        if overrides.get(OPTION_CONTEXT) is not None:
+            select_context(contexts, overrides[OPTION_CONTEXT])
+    except ValueError as exc:
+        return 400, str(exc)
+    return None
+
+
 def forwarded_ids(body: dict) -> tuple[int, str] | None:
     """``kv_transfer_params.prompt_token_ids`` makes vLLM skip templating and the renderer
     (disaggregated prefill): refused while the renderer must see every prompt."""
@@ -128,8 +155,9 @@ def _error(status: int, message: str) -> JSONResponse:
 class PrivateContextGuard:
     """ASGI middleware: refuses POST routes outside ``app.state.dp_routes`` (any DP feature on)
     and leaking requests while ``app.state.dp_guard`` is on (private context); with
-    ``app.state.dp_prompt`` (prompt privatization) validates the request's prompt options, makes
-    them current for the renderer and adds the receipts to the response."""
+    ``app.state.dp_contexts`` (the served contexts' names) or ``app.state.dp_prompt`` (prompt
+    privatization) validates the request's ``dp_*`` options and makes them current for the
+    renderer; with prompt privatization adds the receipts to the response."""
 
     def __init__(self, app):
         self.app = app
@@ -140,6 +168,7 @@ class PrivateContextGuard:
         state = scope["app"].state
         routes = getattr(state, "dp_routes", None)
         guard, prompt_cfg = getattr(state, "dp_guard", False), getattr(state, "dp_prompt", None)
+        contexts = getattr(state, "dp_contexts", ())
         if routes is None:
             return await self.app(scope, receive, send)
         chunks, more = [], True
@@ -156,14 +185,17 @@ class PrivateContextGuard:
         refusal = forbidden_request(scope["path"], parsed, routes, guard)
         if refusal is None and prompt_cfg is not None:
             refusal = prompt_refusal(parsed, prompt_cfg)
+        if refusal is None and (contexts or prompt_cfg is not None):
+            refusal = context_refusal(parsed, contexts, prompt_cfg is not None)
         if refusal is not None:
             logger.info("vllm-dp: refused %s (%s)", scope["path"], refusal[1].split(":")[0])
             return await _error(*refusal)(scope, receive, send)
-        if prompt_cfg is None:
+        if prompt_cfg is None and not contexts:
             return await self.app(scope, _replay(body, receive), send)
-        xargs = parsed.get("vllm_xargs") if isinstance(parsed.get("vllm_xargs"), dict) else {}
-        with bound_request(PromptRequest.from_http(option_overrides(xargs), scope.get("headers", []))) as request:
-            return await self.app(scope, _replay(body, receive), _with_receipts(send, request))
+        overrides = option_overrides(parsed.get("vllm_xargs"))
+        with bound_request(PromptRequest.from_http(overrides, scope.get("headers", []))) as request:
+            reply = send if prompt_cfg is None else _with_receipts(send, request)
+            return await self.app(scope, _replay(body, receive), reply)
 
 
 def _with_receipts(send, request: PromptRequest):
@@ -249,6 +281,7 @@ class DPPrivacyEndpoints:
 
     async def init_state(self, engine_client, state, args) -> None:
         state.dp_budget, state.dp_guard, state.dp_prompt, state.dp_routes = {"enabled": False}, False, None, None
+        state.dp_contexts = ()
         if engine_client is None:  # the CPU-only render server: no engine, nothing private
             return
         vllm_config = engine_client.vllm_config
@@ -264,6 +297,8 @@ class DPPrivacyEndpoints:
         if cfg.prompt is not None:
             state.dp_budget["prompt"] = prompt_payload(cfg.prompt)
         state.dp_guard = "context" in features
+        if state.dp_guard:
+            state.dp_contexts = tuple(c.name for c in private_contexts(vllm_config))
         state.dp_prompt = cfg.prompt
         state.dp_routes = allowed_post(features)
         logger.info("vllm-dp: privacy budget %s", json.dumps(state.dp_budget))
@@ -302,9 +337,9 @@ async def verify_engine(engine_client, vllm_config) -> None:
             "plugin is not loaded in them): refusing to serve"
         ) from None
     if shape.is_encoder_decoder:
-        layers, label = shape.cross_layers, None
+        layers, labels = shape.cross_layers, None
     else:
-        layers, label = shape.self_layers, private_context(vllm_config).identity.label
-    check_layers(reports, layers=layers, label=label, scale=shape.scale)
+        layers, labels = shape.self_layers, [c.identity.label for c in private_contexts(vllm_config)]
+    check_layers(reports, layers=layers, labels=labels, scale=shape.scale)
     logger.info("vllm-dp: verified: all %d attention layers that see private rows run the DP path on %d "
                 "worker(s)", layers, len(reports))

@@ -46,9 +46,11 @@ def resolved_config(path: str | Path) -> dict:
         if raw.get(name) is not None:
             raw[name] = str(base / raw[name])
     att = raw.get("attention") or {}
-    for name in ("private_context", "calibration"):
-        if att.get(name) is not None:
+    for name in ("private_context", "calibration", "contexts"):
+        if isinstance(att.get(name), str):
             att[name] = str(base / att[name])
+    if isinstance(att.get("contexts"), dict):
+        att["contexts"] = {name: str(base / path) for name, path in att["contexts"].items()}
     return raw
 
 
@@ -81,6 +83,7 @@ CONTEXT_SERVE_OPTIONS = frozenset("""
 """.split())  # noqa: SIM905
 SHORT_OPTIONS = {"-tp": "tensor-parallel-size", "-pp": "pipeline-parallel-size"}
 DP_BACKEND = "CUSTOM"  # the DP attention backend on CUDA (registered by the general plugin)
+RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"  # "0": vLLM's V1 model runner (serving.batch_contexts)
 
 
 def option_names(argv: list[str]) -> list[str]:
@@ -129,7 +132,8 @@ def serve_arguments(argv: list[str], dp_config: str | None) -> list[str]:
     ``--tokenizer-mode dp_private`` (private context or prompt privatization),
     ``--enable-prompt-embeds`` (prompt privatization in embeddings mode) and, on CUDA with DP
     attention, ``--attention-backend CUSTOM``. Refuses conflicting flags and, with a private
-    context, options outside ``CONTEXT_SERVE_OPTIONS``."""
+    context, options outside ``CONTEXT_SERVE_OPTIONS``; with a private context, selects vLLM's V1
+    model runner unless ``VLLM_USE_V2_MODEL_RUNNER`` is set (the start-up check refuses V2)."""
     allow_plugin()
     if dp_config is None:
         return argv
@@ -138,12 +142,14 @@ def serve_arguments(argv: list[str], dp_config: str | None) -> list[str]:
     raw = resolved_config(dp_config)
     flags = ["--additional-config", json.dumps({CONFIG_KEY: raw})]
     att, prompt = raw.get("attention") or {}, raw.get("prompt")
-    if att.get("private_context") is not None:
+    typed = DPPrivacyConfig.from_dict(raw).attention
+    context = typed is not None and typed.serves_context
+    if context:
         check_context_options(argv)
+        os.environ.setdefault(RUNNER_ENV, "0")  # V1: the runner that says which context a request reads
     if raw.get("attention") is not None:
         flags += attention_backend(argv, _on_cuda())
-    needs = [why for why, on in (("a private context", att.get("private_context") is not None),
-                                 ("prompt privatization", prompt is not None)) if on]
+    needs = [why for why, on in (("a private context", context), ("prompt privatization", prompt is not None)) if on]
     if needs:
         modes = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--tokenizer-mode"]
         if any(m != TOKENIZER_MODE for m in modes):

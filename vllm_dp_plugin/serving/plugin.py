@@ -10,14 +10,16 @@ CUDA_BACKEND = "vllm_dp_plugin.serving.backend_cuda.DPTritonBackend"
 
 def install() -> None:
     """Override ``CPU_ATTN`` (CPU ignores ``--attention-backend``), register ``CUSTOM`` (CUDA)
-    and the ``dp_private`` tokenizer mode, each a pass-through until ``dp_privacy`` is set; and
-    give vLLM's workers the ``verify.LAYER_REPORT`` method (the endpoint plugin's start-up check
-    calls it with ``collective_rpc``)."""
+    and the ``dp_private`` tokenizer mode, each a pass-through until ``dp_privacy`` is set; give
+    vLLM's workers the ``verify.LAYER_REPORT`` method (the endpoint plugin's start-up check
+    calls it with ``collective_rpc``); and make the V1 model runner announce which private context
+    each request of a step reads (``batch_contexts``; a pass-through without private contexts)."""
     from vllm.renderers.registry import RENDERER_REGISTRY
     from vllm.tokenizers.registry import TokenizerRegistry
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
     from vllm.v1.worker.worker_base import WorkerBase
 
+    from . import batch_contexts
     from .verify import LAYER_REPORT, layer_report
 
     register_backend(AttentionBackendEnum.CPU_ATTN, CPU_BACKEND)
@@ -28,3 +30,4 @@ def install() -> None:
         setattr(WorkerBase, LAYER_REPORT, layer_report)
     if TOKENIZER_MODE not in RENDERER_REGISTRY.renderers:
         RENDERER_REGISTRY.register(TOKENIZER_MODE, "vllm_dp_plugin.serving.renderer", "DPRenderer")
+    batch_contexts.install()

@@ -1,10 +1,13 @@
 """``--tokenizer-mode dp_private``: vLLM's HF renderer plus the private context and prompt privatization.
 
-Private context (``dp_privacy.attention.private_context``): every rendered request (chat,
-completion, token-id prompt; ``LLM``, the OpenAI server and ``vllm bench``) becomes ``private
-context ids + the request's own ids``: the context occupies positions [0, P), which is how the
-attention backend recognises it. Users never send or see it. Prompt embeddings are refused while
-a private context is configured (they could not be prefixed and would bypass the layout).
+Private contexts (``dp_privacy.attention.private_context`` or ``contexts``): every rendered
+request (chat, completion, token-id prompt; ``LLM``, the OpenAI server and ``vllm bench``)
+becomes ``private context ids + the request's own ids``, for the context the request names in
+``dp_context`` (``vllm_xargs``, or ``prompt_request`` around ``LLM`` calls; the first context by
+default; an unknown name is a ValueError): the context occupies positions [0, P), which is how
+the attention backend recognises it, and which one it is. Users never send or see it. Prompt
+embeddings are refused while a private context is configured (they could not be prefixed and
+would bypass the layout).
 
 Prompt privatization (``dp_privacy.prompt``): the user-authored tokens of every request are
 replaced by DP samples before anything downstream (scheduler, prefix cache, engine, logs) sees
@@ -48,6 +51,7 @@ from vllm.renderers.hf import HfRenderer
 
 from ..config import ConfigError
 from ..prompt.session import (
+    OPTION_CONTEXT,
     PrivatizedPrompt,
     PromptReceipt,
     added_mask,
@@ -61,8 +65,9 @@ from ..prompt.session import (
     truncate_segments,
     truncated_mask,
 )
+from .context import select_context
 from .prompt_table import build_prompt_privacy, receipt_log_line, special_token_ids
-from .settings import PLUGIN_NAME, dp_config, private_context
+from .settings import PLUGIN_NAME, dp_config, private_contexts
 
 logger = logging.getLogger("vllm.dp_privacy")  # inherits vLLM's log handler
 
@@ -73,20 +78,20 @@ _CHAT_TOK_PARAMS: contextvars.ContextVar = contextvars.ContextVar("vllm_dp_chat_
 
 
 class DPRenderer(HfRenderer):
-    """Prepends the deployment's private context and privatizes user tokens."""
+    """Prepends the private context each request picks and privatizes user tokens."""
 
     def __init__(self, config, tokenizer) -> None:
         super().__init__(config, tokenizer)
         cfg = dp_config(config)
-        self._context = None
-        if cfg.attention is not None and cfg.attention.private_context is not None:
-            self._context = private_context(config)
+        self._contexts = {}  # name -> PrivateContext, the first is the default
+        if cfg.attention is not None and cfg.attention.serves_context:
+            self._contexts = {c.name: c for c in private_contexts(config)}
             require_http_guard("a private context is configured")
-            logger.info(
-                "vllm-dp: private context %s (%d tokens) is prepended to every request",
-                self._context.identity.label,
-                self._context.length,
-            )
+            for i, context in enumerate(self._contexts.values()):
+                logger.info(
+                    "vllm-dp: private context %r %s (%d tokens) is prepended to the requests that pick it%s",
+                    context.name, context.identity.label, context.length, " (the default)" if i == 0 else "",
+                )
         self._prompt = None
         self._around: tuple[list[int], list[int]] | None = None  # added special ids, found lazily
         self._recent: OrderedDict[str, dict] = OrderedDict()
@@ -100,10 +105,10 @@ class DPRenderer(HfRenderer):
         if getattr(model_config, "is_encoder_decoder", False):
             raise ConfigError("dp_privacy.prompt: prompt privatization is for decoder-only models")
         if p.mode == "embeddings":
-            if self._context is not None:
+            if self._contexts:
                 raise ConfigError(
                     "dp_privacy.prompt.mode embeddings cannot be combined with "
-                    "attention.private_context: prompt embeddings cannot be placed after the "
+                    f"{cfg.attention.context_key()}: prompt embeddings cannot be placed after the "
                     "private context (use mode: tokens)"
                 )
             if not getattr(model_config, "enable_prompt_embeds", False):
@@ -331,14 +336,17 @@ class DPRenderer(HfRenderer):
         return await asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(fn, *args))
 
     def _with_context(self, engine_input):
-        if self._context is None:
+        if not self._contexts:
             return engine_input
         if engine_input.get("type") != "token":
             raise ValueError(
                 f"{engine_input.get('type')!r} prompts are not accepted while a private context is "
                 "configured: send text, messages or token ids"
             )
-        engine_input["prompt_token_ids"] = self._context.prepend(engine_input["prompt_token_ids"])
+        request = current_request()
+        asked = None if request is None else request.overrides.get(OPTION_CONTEXT)
+        context = self._contexts[select_context(tuple(self._contexts), asked)]
+        engine_input["prompt_token_ids"] = context.prepend(engine_input["prompt_token_ids"])
         engine_input.pop("prompt_token_offsets", None)  # char offsets of the public text only
         return engine_input
 

@@ -2,7 +2,7 @@
 
 Every process (API server, engine core, workers) sees ``--additional-config`` through
 ``VllmConfig.additional_config``; this module turns it into the typed ``DPPrivacyConfig`` plus
-what the model contributes (its attention shape, the private context's tokens).
+what the model contributes (its attention shape, the private contexts' tokens).
 """
 
 from __future__ import annotations
@@ -17,7 +17,14 @@ from ..attention.plan import ContextPlan
 from ..config import CONFIG_KEY, ConfigError, DPPrivacyConfig
 from ..privacy.keyed_noise import NoiseKey
 from ..privacy.release_ledger import ReleaseLedger
-from .context import ContextIdentity, PrivateContext, context_tokens, file_digest, weights_digest
+from .context import (
+    ContextIdentity,
+    PrivateContext,
+    check_prefix_free,
+    context_tokens,
+    file_digest,
+    weights_digest,
+)
 
 TOKENIZER_MODE = "dp_private"
 PLUGIN_NAME = "dp_privacy"  # entry-point name in every vLLM plugin group we use
@@ -30,8 +37,10 @@ def dp_config(vllm_config) -> DPPrivacyConfig:
 
 
 def raw_config_json(vllm_config) -> str:
+    """The raw section as JSON, in the order given (the first of ``attention.contexts`` is the
+    default context)."""
     raw = (getattr(vllm_config, "additional_config", None) or {}).get(CONFIG_KEY) or {}
-    return json.dumps(raw, sort_keys=True)
+    return json.dumps(raw)
 
 
 @dataclass(frozen=True)
@@ -94,21 +103,25 @@ def check_serving(vllm_config, cfg: DPPrivacyConfig) -> None:
     att = cfg.attention
     model_config = vllm_config.model_config
     enc_dec = bool(getattr(model_config, "is_encoder_decoder", False))
-    if enc_dec and att.private_context is not None:
+    if enc_dec and att.serves_context:
         raise ConfigError(
-            "attention.private_context is for decoder-only models; in encoder-decoder models the "
-            "encoder output of each request is the private context"
+            "attention.private_context and attention.contexts are for decoder-only models; in "
+            "encoder-decoder models the encoder output of each request is the private context"
         )
     if not enc_dec:
-        if att.private_context is None:
-            raise ConfigError("attention.private_context (a text file) is required for decoder-only models")
+        if not att.serves_context:
+            raise ConfigError(
+                "attention.private_context (a text file) or attention.contexts (named files) is "
+                "required for decoder-only models"
+            )
+        key = att.context_key()
         if model_config.tokenizer_mode != TOKENIZER_MODE:
             raise ConfigError(
-                f"attention.private_context needs --tokenizer-mode {TOKENIZER_MODE} (the renderer "
-                "that places the context at positions [0, P) of every request)"
+                f"{key} needs --tokenizer-mode {TOKENIZER_MODE} (the renderer that places the "
+                "context at positions [0, P) of every request)"
             )
         if getattr(model_config, "enable_prompt_embeds", False):
-            raise ConfigError("attention.private_context cannot be combined with --enable-prompt-embeds")
+            raise ConfigError(f"{key} cannot be combined with --enable-prompt-embeds")
         check_engine_options(vllm_config)
 
 
@@ -122,7 +135,8 @@ ALLOWED_OPTIONAL_SECTIONS = ("model_config", "quant_config", "reasoning_config")
 
 
 def check_engine_options(vllm_config) -> None:
-    """Refuse engine features that read or publish private positions (private context served)."""
+    """Refuse engine features that read or publish private positions (private contexts served)."""
+    key = dp_config(vllm_config).attention.context_key()
     for field in dataclasses.fields(type(vllm_config)):
         if field.default is not None or field.name in ALLOWED_OPTIONAL_SECTIONS:
             continue
@@ -131,19 +145,19 @@ def check_engine_options(vllm_config) -> None:
             continue
         if section is not None:
             raise ConfigError(
-                f"attention.private_context: the engine option `{field.name}` is set, and it is not "
+                f"{key}: the engine option `{field.name}` is set, and it is not "
                 f"on the allowlist of features that keep private positions private "
                 f"({', '.join(ALLOWED_OPTIONAL_SECTIONS[1:])}); serve without it"
             )
     if getattr(getattr(vllm_config, "aux_output_config", None), "enabled", False):
         raise ConfigError(
-            "attention.private_context: returning routed experts (--enable-return-routed-experts) "
+            f"{key}: returning routed experts (--enable-return-routed-experts) "
             "publishes per-token routing of private positions"
         )
     runner = getattr(vllm_config.model_config, "runner_type", "generate")
     if runner != "generate":
         raise ConfigError(
-            f"attention.private_context needs the generate runner, got --runner {runner}: pooling "
+            f"{key} needs the generate runner, got --runner {runner}: pooling "
             "returns hidden states at private positions"
         )
 
@@ -184,7 +198,7 @@ def release_inputs(cfg: DPPrivacyConfig, served: ServedModel) -> dict:
     (``ContextIdentity.release``): weights, dtypes, device type, the resolved release parameters
     (the calibration's contents, not its path; no file names)."""
     attention = dataclasses.asdict(cfg.attention)
-    for name in ("private_context", "allow_rerelease"):  # the ids stand for the file; no effect
+    for name in ("private_context", "contexts", "allow_rerelease"):  # the ids stand for the files; no effect
         attention.pop(name)
     if attention["calibration"] is not None:
         attention["calibration"] = file_digest(attention["calibration"])
@@ -197,23 +211,37 @@ def release_inputs(cfg: DPPrivacyConfig, served: ServedModel) -> dict:
     }
 
 
-def private_context(vllm_config) -> PrivateContext:
-    """The decoder-only private context of this deployment: its ids and identity (cached per
-    process and configuration)."""
-    return _private_context(raw_config_json(vllm_config), ServedModel.of(vllm_config))
+def serves_private_contexts(vllm_config) -> bool:
+    """DP attention over operator-given private contexts (a decoder-only model), as opposed to
+    none or Whisper's per-request encoder outputs."""
+    att = dp_config(vllm_config).attention
+    enc_dec = bool(getattr(vllm_config.model_config, "is_encoder_decoder", False))
+    return att is not None and att.serves_context and not enc_dec
+
+
+def private_contexts(vllm_config) -> tuple[PrivateContext, ...]:
+    """The decoder-only private contexts of this deployment, in order (the first is the default):
+    names, ids and identities (cached per process and configuration)."""
+    return _private_contexts(raw_config_json(vllm_config), ServedModel.of(vllm_config))
 
 
 @functools.lru_cache(maxsize=4)
-def _private_context(raw_json: str, served: ServedModel) -> PrivateContext:
+def _private_contexts(raw_json: str, served: ServedModel) -> tuple[PrivateContext, ...]:
     cfg = DPPrivacyConfig.from_dict(json.loads(raw_json))
-    ids, bos = context_tokens(cfg.attention.private_context, served.tokenizer)
-    if len(ids) >= served.max_model_len:
-        raise ConfigError(
-            f"attention.private_context has {len(ids)} tokens but max_model_len is "
-            f"{served.max_model_len}: no room for the public prompt"
-        )
-    identity = ContextIdentity.of(ids, release_inputs(cfg, served), NoiseKey(cfg.key_file))
-    return PrivateContext(ids, identity, bos)
+    att, key = cfg.attention, NoiseKey(cfg.key_file)
+    inputs = release_inputs(cfg, served)
+    contexts = []
+    for name, path in att.context_files().items():
+        where = att.context_key(name)
+        ids, bos = context_tokens(path, served.tokenizer, where)
+        if len(ids) >= served.max_model_len:
+            raise ConfigError(
+                f"{where} has {len(ids)} tokens but max_model_len is {served.max_model_len}: no room "
+                "for the public prompt"
+            )
+        contexts.append(PrivateContext(name, ids, ContextIdentity.of(ids, inputs, key), bos))
+    check_prefix_free(contexts, att.context_key())
+    return tuple(contexts)
 
 
 def context_plan(vllm_config, kind: str, context_len: int, scale: float | None = None) -> ContextPlan:
@@ -235,22 +263,29 @@ def context_plan(vllm_config, kind: str, context_len: int, scale: float | None =
 
 
 def register_release(vllm_config) -> None:
-    """Record this deployment's release of its private context in the release ledger (workers,
+    """Record this deployment's release of each private context in the release ledger (workers,
     at start-up); refuses a second release under other noise unless ``allow_rerelease``."""
-    context = private_context(vllm_config)
-    plan = context_plan(vllm_config, "self_attention", context.length)
-    spent = plan.account().spent(plan.layers)
-    try:
-        release_ledger(vllm_config).register(
-            context.identity.subject, context.identity.release, spent, plan.report()["unit"],
-            allow_rerelease=dp_config(vllm_config).attention.allow_rerelease,
-        )
-    except RuntimeError as exc:
-        raise ConfigError(f"attention.private_context: {exc}") from None
+    att = dp_config(vllm_config).attention
+    ledger = release_ledger(vllm_config)
+    for context in private_contexts(vllm_config):
+        plan = context_plan(vllm_config, "self_attention", context.length)
+        spent = plan.account().spent(plan.layers)
+        try:
+            ledger.register(context.identity.subject, context.identity.release, spent, plan.report()["unit"],
+                            allow_rerelease=att.allow_rerelease)
+        except RuntimeError as exc:
+            raise ConfigError(f"{att.context_key(context.name)}: {exc}") from None
+
+
+CONTEXT_SCOPE = (
+    "per private context: each context is its own protected dataset with its own release, and "
+    "its entry's budget covers that context alone, whatever the number of contexts served"
+)
 
 
 def budget_payload(vllm_config) -> dict:
-    """What ``GET /v1/dp/budget`` answers: DP off, or the statement per private context."""
+    """What ``GET /v1/dp/budget`` answers: DP off, or the statement per private context (name,
+    keyed label, tokens, per-release and spent budget, ledger)."""
     cfg = dp_config(vllm_config)
     if cfg.attention is None:
         return {"enabled": False, "contexts": []}
@@ -259,12 +294,15 @@ def budget_payload(vllm_config) -> dict:
         frames = getattr(vllm_config.model_config.hf_config, "max_source_positions", 1500)
         report = context_plan(vllm_config, "cross_attention", frames).report()
         report["context"] = "each request's encoder output (one release per request)"
-    else:
-        context = private_context(vllm_config)
-        report = context_plan(vllm_config, "self_attention", context.length).report()
+        return {"enabled": True, "contexts": [report]}
+    ledger = release_ledger(vllm_config)
+    reports = []
+    for context in private_contexts(vllm_config):
+        report = {"name": context.name, **context_plan(vllm_config, "self_attention", context.length).report()}
         report["context"] = f"private_context {context.identity.label}"
-        report["ledger"] = release_ledger(vllm_config).history(context.identity.subject).to_json()
-    return {"enabled": True, "contexts": [report]}
+        report["ledger"] = ledger.history(context.identity.subject).to_json()
+        reports.append(report)
+    return {"enabled": True, "scope": CONTEXT_SCOPE, "contexts": reports}
 
 
 def prompt_payload(prompt_cfg) -> dict:
