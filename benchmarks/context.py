@@ -743,9 +743,10 @@ def jobs_of(rows: Sequence[str], eps: Sequence[float]) -> list[tuple[str, float 
     return out
 
 
-def run(bench: Bench, rows: Sequence[str], eps: Sequence[float], log=None) -> tuple[list[dict], list[dict], list[dict]]:
+def run(bench: Bench, rows: Sequence[str], eps: Sequence[float], log=None,
+        after_row=None) -> tuple[list[dict], list[dict], list[dict]]:
     """Measure every (row, eps); returns (result rows, budget statements, sample answers of the
-    first two scenarios)."""
+    first two scenarios), also handed to ``after_row`` after each row."""
     from tqdm import tqdm
 
     log = log or tqdm.write
@@ -777,6 +778,8 @@ def run(bench: Bench, rows: Sequence[str], eps: Sequence[float], log=None) -> tu
                                  "support": a.support, "correct": a.correct, "text": a.text}
                                 for a in answers if a.scenario in first]
                     log(f"vllm-dp bench context: {describe(result)}")
+                    if after_row is not None:  # the report so far: a stopped run keeps its rows
+                        after_row(results, budgets, samples)
                     bar.update(1)
     return results, budgets, samples
 
@@ -954,11 +957,6 @@ def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="vllm-dp-bench-context-"))
     bench = Bench(model, scenarios, work, args.cache_dir, max_tokens, args.concurrency)
     started = time.perf_counter()
-    try:
-        results, budgets, samples = run(bench, rows, eps)
-    except BaseException:
-        print(f"vllm-dp bench context: logs kept in {work}", file=sys.stderr)
-        raise
     date = datetime.date.today().isoformat()
     device = device_tag()
     questions = [q for s in scenarios for q in s["questions"]]
@@ -967,16 +965,25 @@ def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
         if q["kind"] == "shared":
             by_support[str(q["support"])] = by_support.get(str(q["support"]), 0) + 1
     command = "vllm-dp bench context" + ("" if argv is None else " " + " ".join(argv))
-    data = {"model": model, "device": device, "date": date, "scenarios": _shown(args.scenarios),
-            "rows": results,
-            "command": command.strip(), "platform": platform.platform(), "n_scenarios": len(scenarios),
-            "question_counts": {k: sum(q["kind"] == k for q in questions) for k in KINDS},
-            "question_counts_by_support": by_support, "max_tokens": max_tokens, "concurrency": args.concurrency,
-            "budgets": budgets, "sample_answers": samples, "wall_s": time.perf_counter() - started}
     stem = args.out / f"context-{device}-{date}"
-    stem.with_suffix(".json").write_text(json.dumps(data, indent=1))
-    stem.with_suffix(".md").write_text(markdown(data))
-    plot(data, stem.with_suffix(".png"))
+
+    def write(results, budgets, samples) -> None:
+        data = {"model": model, "device": device, "date": date, "scenarios": _shown(args.scenarios),
+                "rows": results,
+                "command": command.strip(), "platform": platform.platform(), "n_scenarios": len(scenarios),
+                "question_counts": {k: sum(q["kind"] == k for q in questions) for k in KINDS},
+                "question_counts_by_support": by_support, "max_tokens": max_tokens,
+                "concurrency": args.concurrency, "budgets": budgets, "sample_answers": samples,
+                "wall_s": time.perf_counter() - started}
+        stem.with_suffix(".json").write_text(json.dumps(data, indent=1))
+        stem.with_suffix(".md").write_text(markdown(data))
+        plot(data, stem.with_suffix(".png"))
+
+    try:
+        run(bench, rows, eps, after_row=write)
+    except BaseException:
+        print(f"vllm-dp bench context: logs kept in {work}", file=sys.stderr)
+        raise
     print(stem.with_suffix(".md").read_text())
     shutil.rmtree(work, ignore_errors=True)
     return 0
