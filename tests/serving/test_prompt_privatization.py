@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from vllm_dp_plugin.serving.context import added_bos
+
 from .engines import dp_section, run_engine, write_dp_yaml
 from .test_cli_serve import free_port, request
 
@@ -116,11 +118,13 @@ def context_ids(tokenizer, deployment) -> list[int]:
     return tokenize_context((deployment / "context.txt").read_text(), tokenizer)
 
 
-def public_part(got: list[int], context: list[int]) -> list[int]:
-    """The request's own ids in stock coordinates: the context (which starts with BOS) is
-    checked and removed, and the prompt's BOS, which the context replaced, is put back."""
+def public_part(got: list[int], context: list[int], tokenizer) -> list[int]:
+    """The request's own ids in stock coordinates: the context is checked and removed, and the
+    BOS the tokenizer adds (which the context's own replaced; none for the demo tokenizer, whose
+    <s> is a template token the request keeps) is put back."""
     assert got[: len(context)] == context  # the private context first, untouched
-    return [context[0], *got[len(context):]]
+    bos = added_bos(tokenizer)
+    return got[len(context):] if bos is None else [bos, *got[len(context):]]
 
 
 @pytest.mark.vllm
@@ -129,7 +133,7 @@ def test_llm_chat_privatizes_only_the_user_message(llm_tokens, tokenizer):
     context = context_ids(tokenizer, deployment)
     stock = stock_chat(tokenizer, [SYSTEM, USER])
     span = user_span(tokenizer, stock, USER["content"])
-    assert_privatized(tokenizer, public_part(results[0]["prompt_token_ids"][0], context), stock, [span])
+    assert_privatized(tokenizer, public_part(results[0]["prompt_token_ids"][0], context, tokenizer), stock, [span])
     (receipt,) = results[0]["receipts"]
     assert receipt["tokens_privatized"] == receipt["tokens_new"] == span.stop - span.start
     assert receipt["mechanism"] == "trlap_corrected" and receipt["valid"] and receipt["epsilon_token"] == 10.0
@@ -142,7 +146,8 @@ def test_llm_chat_privatizes_only_the_user_message(llm_tokens, tokenizer):
 def test_llm_huge_epsilon_gives_back_the_users_ids(llm_tokens, tokenizer):
     results, deployment = llm_tokens
     context = context_ids(tokenizer, deployment)
-    assert results[1]["prompt_token_ids"] == [context + stock_chat(tokenizer, [SYSTEM, USER])[1:]]
+    stock, bos = stock_chat(tokenizer, [SYSTEM, USER]), added_bos(tokenizer)  # the renderer drops an added BOS
+    assert results[1]["prompt_token_ids"] == [context + (stock[1:] if bos is not None and stock[:1] == [bos] else stock)]
     assert results[1]["receipts"][0]["mechanism"] == "laplace"
     assert results[3]["prompt_token_ids"] == [context + tokenizer.encode(COMPLETION, add_special_tokens=False)]
 
@@ -151,7 +156,7 @@ def test_llm_huge_epsilon_gives_back_the_users_ids(llm_tokens, tokenizer):
 def test_llm_completions_privatize_text_and_non_special_ids(llm_tokens, tokenizer):
     results, deployment = llm_tokens
     context = context_ids(tokenizer, deployment)
-    text_ids, id_prompt = (public_part(ids, context)[1:] for ids in results[2]["prompt_token_ids"])
+    text_ids, id_prompt = (public_part(ids, context, tokenizer) for ids in results[2]["prompt_token_ids"])
     stock = tokenizer.encode(COMPLETION, add_special_tokens=False)
     assert_privatized(tokenizer, text_ids, stock, [slice(0, len(stock))])
     # a token-id prompt: special ids are the client's template and pass through
@@ -164,7 +169,7 @@ def test_llm_completions_privatize_text_and_non_special_ids(llm_tokens, tokenize
 def test_llm_history_cache_reuses_earlier_turns_and_retries_within_a_session(llm_tokens, tokenizer):
     results, deployment = llm_tokens
     context = context_ids(tokenizer, deployment)
-    turn1, turn2, retry = (public_part(results[i]["prompt_token_ids"][0], context) for i in (4, 5, 6))
+    turn1, turn2, retry = (public_part(results[i]["prompt_token_ids"][0], context, tokenizer) for i in (4, 5, 6))
     stock2 = stock_chat(tokenizer, TURN2)
     first = user_span(tokenizer, stock2, TURN1[1]["content"], 0)
     second = user_span(tokenizer, stock2, TURN2[3]["content"], 1)
