@@ -26,10 +26,13 @@ send only the user turn (token ids; a leading BOS that the renderer would drop i
 pick the scenario's context with ``vllm_xargs: {"dp_context": ID}``. Each request's
 ``usage.prompt_tokens`` is checked against the expected length.
 
-One server per (row, eps) (rows with the same server, ``none`` and ``full``, share one), 8
-requests in flight. DP rows use a key file and a release ledger in a temporary directory of the
-run (never the operator's) and a calibration of the model on public text, cached in
-``--cache-dir``. Writes ``context-<device>-<date>.{md,json,png}`` into ``--out``.
+One server per (row, eps) (rows with the same server, ``none`` and ``full``, share one; a row
+with ``contexts_per_server`` splits the scenarios over several servers: ``dp_tree``'s releases
+are GBs), 8 requests in flight. DP rows use a key file and a release ledger in a temporary
+directory of the run (never the operator's) and a calibration of the model on public text, cached
+in ``--cache-dir``. Writes ``context-<device>-<date>.{md,json,png}`` into ``--out``; with
+``--append`` the rows of an existing file of that name that this run does not measure are kept
+(add one mechanism without re-running the others).
 
 Scenarios: ``benchmarks/data/context-scenarios.jsonl`` (24, ``--make-scenarios`` with seed 0),
 one JSON object per line::
@@ -533,31 +536,33 @@ class Request:
 
 @dataclass(frozen=True)
 class Row:
-    """One way of serving the context. ``server(bench, eps)`` -> Server; ``request(layout,
-    scenario, question)`` -> Request. ``private`` rows run once per eps."""
+    """One way of serving the context. ``server(bench, eps, scenarios)`` -> Server for those
+    scenarios; ``request(layout, scenario, question)`` -> Request. ``private`` rows run once per
+    eps."""
 
     help: str
     private: bool
-    server: Callable[[Bench, float | None], Server]
+    server: Callable[[Bench, float | None, Sequence[dict]], Server]  # (bench, eps, its scenarios)
     request: Callable[[ChatLayout, dict, dict], Request]
+    contexts_per_server: int | None = None  # split the scenarios over servers of at most this many contexts
 
 
-def stock_server(bench: Bench, eps: float | None) -> Server:
+def stock_server(bench: Bench, eps: float | None, scenarios: Sequence[dict]) -> Server:
     return Server(cmd=(*LAUNCH, "serve", bench.model, *ENGINE_FLAGS), env=(("VLLM_PLUGINS", ""),))
 
 
-def dp_server(mode: str, **attention: object) -> Callable[[Bench, float | None], Server]:
-    """``vllm-dp serve`` with every scenario's documents as a named private context."""
+def dp_server(mode: str, **attention: object) -> Callable[[Bench, float | None, Sequence[dict]], Server]:
+    """``vllm-dp serve`` with each of ``scenarios``' documents as a named private context."""
 
-    def server(bench: Bench, eps: float | None) -> Server:
+    def server(bench: Bench, eps: float | None, scenarios: Sequence[dict]) -> Server:
         assert eps is not None
-        name = f"{mode}-eps{eps:g}"
+        name = f"{mode}-eps{eps:g}-{scenarios[0]['id']}"
         section = {
             "key_file": str(bench.work / "noise.key"),
             "ledger_file": str(bench.work / f"ledger-{name}.jsonl"),  # one per row: every rerun allowed
             "attention": {"mode": mode, "epsilon": eps, "delta": DELTA,
                           "composition": "pld" if eps <= MAX_CURVE_EPS else "basic",
-                          "calibration": str(bench.calibration()), "contexts": bench.context_files(),
+                          "calibration": str(bench.calibration()), "contexts": bench.context_files(scenarios),
                           **attention},
         }
         config = bench.work / f"dp-{name}.json"
@@ -587,8 +592,11 @@ ROWS: dict[str, Row] = {
     "full": Row("the documents in plain text before the user turn (stock vLLM)", False, stock_server,
                 _plain(ChatLayout.full_ids)),
     "dp_state": Row("DP attention, mode state (noisy kernelised state)", True, dp_server("state"), dp_request),
+    # Taylor degree 1 keeps the path-sum tables small, and still an ~800-token context's release is
+    # ~4.7 GB on SmolLM2 (30 layers x 3 KV heads x 65 features x 1024 leaves x 3 moments x 65 columns
+    # x 4 bytes): 3 contexts a server.
     "dp_tree": Row("DP attention, mode tree (DPTree; Taylor degree 1 keeps its tables small)", True,
-                   dp_server("tree", degree=1), dp_request),
+                   dp_server("tree", degree=1), dp_request, contexts_per_server=3),
 }
 
 
@@ -602,7 +610,6 @@ class Bench:
     max_tokens: int = ANSWER_TOKENS
     concurrency: int = 8
     _calibration: Path | None = None
-    _contexts: dict[str, str] | None = None
     _layout: ChatLayout | None = None
 
     def calibration(self) -> Path:
@@ -620,18 +627,17 @@ class Bench:
             self._calibration = path
         return self._calibration
 
-    def context_files(self) -> dict[str, str]:
+    def context_files(self, scenarios: Sequence[dict]) -> dict[str, str]:
         """One context file per scenario (its ``C``), named by the scenario id."""
-        if self._contexts is None:
-            layout = self.layout()
-            folder = self.work / "contexts"
-            folder.mkdir(exist_ok=True)
-            self._contexts = {}
-            for s in self.scenarios:
-                path = folder / f"{s['id']}.txt"
-                path.write_text(layout.context_text(s["documents"]), encoding="utf-8")
-                self._contexts[s["id"]] = str(path)
-        return self._contexts
+        folder = self.work / "contexts"
+        folder.mkdir(exist_ok=True)
+        files = {}
+        for s in scenarios:
+            path = folder / f"{s['id']}.txt"
+            if not path.exists():
+                path.write_text(self.layout().context_text(s["documents"]), encoding="utf-8")
+            files[s["id"]] = str(path)
+        return files
 
     def layout(self) -> ChatLayout:
         if self._layout is None:
@@ -710,10 +716,11 @@ class RunningServer:
             raise RuntimeError(f"/v1/completions answered {exc.code}: {exc.read()[:2000]!r}") from None
 
 
-def ask_all(bench: Bench, server: RunningServer, row: Row, label: str, progress=None) -> tuple[list[Answer], float]:
-    """Every question of every scenario, ``bench.concurrency`` in flight; (answers, wall s)."""
+def ask_all(bench: Bench, server: RunningServer, row: Row, scenarios: Sequence[dict], label: str,
+            progress=None) -> tuple[list[Answer], float]:
+    """Every question of ``scenarios``, ``bench.concurrency`` in flight; (answers, wall s)."""
     layout = bench.layout()
-    jobs = [(s, q, row.request(layout, s, q)) for s in bench.scenarios for q in s["questions"]]
+    jobs = [(s, q, row.request(layout, s, q)) for s in scenarios for q in s["questions"]]
 
     def one(job) -> Answer:
         s, q, request = job
@@ -733,6 +740,12 @@ def ask_all(bench: Bench, server: RunningServer, row: Row, label: str, progress=
     return answers, time.perf_counter() - start
 
 
+def server_parts(row: Row, scenarios: Sequence[dict]) -> list[list[dict]]:
+    """``scenarios`` in consecutive parts of at most ``row.contexts_per_server`` (one server each)."""
+    size = row.contexts_per_server or max(1, len(scenarios))
+    return [list(scenarios[i:i + size]) for i in range(0, len(scenarios), size)]
+
+
 def jobs_of(rows: Sequence[str], eps: Sequence[float]) -> list[tuple[str, float | None]]:
     """(row, eps) pairs in order: non-private rows once, private rows at every eps."""
     out = []
@@ -746,41 +759,47 @@ def jobs_of(rows: Sequence[str], eps: Sequence[float]) -> list[tuple[str, float 
 def run(bench: Bench, rows: Sequence[str], eps: Sequence[float], log=None,
         after_row=None) -> tuple[list[dict], list[dict], list[dict]]:
     """Measure every (row, eps); returns (result rows, budget statements, sample answers of the
-    first two scenarios), also handed to ``after_row`` after each row."""
+    first two scenarios), also handed to ``after_row`` after each row. A server stays up while the
+    next job's server is the same (``none`` and ``full`` share one)."""
     from tqdm import tqdm
 
     log = log or tqdm.write
-    jobs = jobs_of(rows, eps)
-    specs = [(name, e, ROWS[name].server(bench, e)) for name, e in jobs]
-    groups: list[list[tuple[str, float | None, Server]]] = []  # consecutive jobs sharing a server
-    for spec in specs:
-        if groups and groups[-1][0][2] == spec[2]:
-            groups[-1].append(spec)
-        else:
-            groups.append([spec])
     n_questions = sum(len(s["questions"]) for s in bench.scenarios)
+    first = {s["id"] for s in bench.scenarios[:2]}
     results, budgets, samples = [], [], []
-    with tqdm(total=len(jobs), desc="rows", unit="row", position=0) as bar:
-        for group in groups:
-            names = "+".join(f"{n}" + ("" if e is None else f"@{e:g}") for n, e, _ in group)
-            with RunningServer(group[0][2], bench.work / f"server-{names}.log") as server:
-                for name, e, spec in group:
-                    label = name if e is None else f"{name} eps={e:g}"
-                    if spec.dp:
-                        statement = server.get("/v1/dp/budget")["contexts"][0]
-                        budgets.append({"row": name, "eps": e, **statement})
-                    with tqdm(total=n_questions, desc=label, unit="q", position=1, leave=False) as qbar:
-                        answers, seconds = ask_all(bench, server, ROWS[name], label, qbar)
-                    result = summarize(name, e, answers, seconds)
-                    results.append(result)
-                    first = {s["id"] for s in bench.scenarios[:2]}
-                    samples += [{"row": name, "eps": e, "scenario": a.scenario, "kind": a.kind,
-                                 "support": a.support, "correct": a.correct, "text": a.text}
-                                for a in answers if a.scenario in first]
-                    log(f"vllm-dp bench context: {describe(result)}")
-                    if after_row is not None:  # the report so far: a stopped run keeps its rows
-                        after_row(results, budgets, samples)
-                    bar.update(1)
+    running: tuple[Server, RunningServer] | None = None
+    try:
+        with tqdm(total=len(jobs := jobs_of(rows, eps)), desc="rows", unit="row", position=0) as bar:
+            for name, e in jobs:
+                row, label = ROWS[name], name if e is None else f"{name} eps={e:g}"
+                answers, seconds = [], 0.0
+                with tqdm(total=n_questions, desc=label, unit="q", position=1, leave=False) as qbar:
+                    for part in server_parts(row, bench.scenarios):
+                        spec = row.server(bench, e, part)
+                        if running is None or running[0] != spec:
+                            if running is not None:
+                                running[1].__exit__(None, None, None)
+                                running = None
+                            tag = label.replace(" eps=", "@") + f"-{part[0]['id']}"
+                            running = (spec, RunningServer(spec, bench.work / f"server-{tag}.log").__enter__())
+                        if spec.dp and not answers:  # the statement of the row's first context
+                            statement = running[1].get("/v1/dp/budget")["contexts"][0]
+                            budgets.append({"row": name, "eps": e, **statement})
+                        got, wall = ask_all(bench, running[1], row, part, label, qbar)
+                        answers += got
+                        seconds += wall
+                result = summarize(name, e, answers, seconds)
+                results.append(result)
+                samples += [{"row": name, "eps": e, "scenario": a.scenario, "kind": a.kind,
+                             "support": a.support, "correct": a.correct, "text": a.text}
+                            for a in answers if a.scenario in first]
+                log(f"vllm-dp bench context: {describe(result)}")
+                if after_row is not None:  # the report so far: a stopped run keeps its rows
+                    after_row(results, budgets, samples)
+                bar.update(1)
+    finally:
+        if running is not None:
+            running[1].__exit__(None, None, None)
     return results, budgets, samples
 
 
@@ -795,10 +814,12 @@ def describe(r: dict) -> str:
 def markdown(data: dict) -> str:
     supports = sorted({int(k) for r in data["rows"] for k in r["shared_accuracy"]})
     counts = data["question_counts"]
+    commands = " then ".join(f"`{c}`" for c in [*data.get("earlier_commands", []), data["command"]])
     lines = [f"# vllm-dp bench context ({data['device']}, {data['date']})", "",
-             (f"Command: `{data['command']}`. Model: `{data['model']}`. Scenarios: `{data['scenarios']}` "
-             f"({data['n_scenarios']} scenarios; per row {counts['shared']} shared-fact, {counts['secret']} "
-             f"secret and {counts['public']} public questions). Greedy, {data['max_tokens']} tokens; an answer "
+             (f"Command: {commands}. Model: `{data['model']}`. Scenarios: `{data['scenarios']}` "
+             f"({data['n_scenarios']} scenarios: {counts['shared']} shared-fact, {counts['secret']} secret and "
+             f"{counts['public']} public questions; a row with fewer questions answered the first scenarios "
+             "only, `--limit`). Greedy, {data['max_tokens']} tokens; an answer "
              "is correct when one of its answers occurs in the completion (case-insensitive). "
              "`none`: no context; `full`: the documents as plain text (exact attention); `dp_*`: the "
              "documents as the private context (DP attention), eps for the whole model per context, "
@@ -909,7 +930,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help=f"eps of the DP rows, comma-separated (eps = {KERNEL_ONLY_EPS:g} is always added)")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: 2 scenarios, eps 8 only (no 1e7), 8 answer tokens")
+    parser.add_argument("--limit", type=int, metavar="N",
+                        help="the first N scenarios only (a row's questions column says how many it answered)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="result directory")
+    parser.add_argument("--append", action="store_true",
+                        help="keep the rows (and budget statements) of an existing result file of the same name "
+                             "that this run does not measure")
     parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE, help="where the calibration is cached")
     parser.add_argument("--concurrency", type=int, default=8, help="requests in flight")
     parser.add_argument("--make-scenarios", type=Path, metavar="OUT",
@@ -921,6 +947,28 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def build_parser(prog: str = "vllm-dp bench context") -> argparse.ArgumentParser:
     return add_cli_args(argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0]))
+
+
+def kept_rows(path: Path | None, model: str, scenarios: str, max_tokens: int,
+              jobs: Sequence[tuple[str, float | None]]) -> dict:
+    """``--append``: what an earlier result file at ``path`` keeps (its rows, budget statements and
+    sample answers that ``jobs`` does not re-measure, and its commands); it must be of the same
+    model, scenarios file and answer length (``--limit`` may differ: rows state their questions)."""
+    if path is None or not path.exists():
+        return {"rows": [], "budgets": [], "sample_answers": [], "commands": []}
+    old = json.loads(path.read_text())
+    same = {"model": model, "scenarios": scenarios, "max_tokens": max_tokens}
+    if any(old.get(k) != v for k, v in same.items()):
+        raise SystemExit(f"--append: {path} was measured with "
+                         f"{ {k: old.get(k) for k in same} }, this run with {same}; choose another --out")
+    again = set(jobs)
+
+    def keep(item):
+        return (item["row"], item["eps"]) not in again
+
+    return {"rows": [r for r in old["rows"] if keep(r)], "budgets": [b for b in old.get("budgets", []) if keep(b)],
+            "sample_answers": [a for a in old.get("sample_answers", []) if keep(a)],
+            "commands": [*old.get("earlier_commands", []), old["command"]]}
 
 
 def ensure_model(model: str) -> str:
@@ -945,7 +993,8 @@ def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
         return 0
     rows = [r for r in args.rows.split(",") if r]
     eps = [float(e) for e in args.eps.split(",") if e]
-    scenarios = load_scenarios(args.scenarios)
+    every = load_scenarios(args.scenarios)  # the file's: the report's header describes them all
+    scenarios = every[:args.limit]
     max_tokens = ANSWER_TOKENS
     if args.quick:
         scenarios, eps, max_tokens = scenarios[:2], [8.0], 8
@@ -959,7 +1008,7 @@ def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
     started = time.perf_counter()
     date = datetime.date.today().isoformat()
     device = device_tag()
-    questions = [q for s in scenarios for q in s["questions"]]
+    questions = [q for s in every for q in s["questions"]]
     by_support = {}
     for q in questions:
         if q["kind"] == "shared":
@@ -967,13 +1016,18 @@ def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
     command = "vllm-dp bench context" + ("" if argv is None else " " + " ".join(argv))
     stem = args.out / f"context-{device}-{date}"
 
+    kept = kept_rows(stem.with_suffix(".json") if args.append else None, model, _shown(args.scenarios), max_tokens,
+                     jobs_of(rows, eps))
+
     def write(results, budgets, samples) -> None:
         data = {"model": model, "device": device, "date": date, "scenarios": _shown(args.scenarios),
-                "rows": results,
-                "command": command.strip(), "platform": platform.platform(), "n_scenarios": len(scenarios),
+                "rows": kept["rows"] + results,
+                "command": command.strip(), "earlier_commands": kept["commands"],
+                "platform": platform.platform(), "n_scenarios": len(every),
                 "question_counts": {k: sum(q["kind"] == k for q in questions) for k in KINDS},
                 "question_counts_by_support": by_support, "max_tokens": max_tokens,
-                "concurrency": args.concurrency, "budgets": budgets, "sample_answers": samples,
+                "concurrency": args.concurrency, "budgets": kept["budgets"] + budgets,
+                "sample_answers": kept["sample_answers"] + samples,
                 "wall_s": time.perf_counter() - started}
         stem.with_suffix(".json").write_text(json.dumps(data, indent=1))
         stem.with_suffix(".md").write_text(markdown(data))

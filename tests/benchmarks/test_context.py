@@ -153,19 +153,44 @@ def test_row_registry_jobs_and_servers(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match="unknown row"):
         bench.jobs_of(["nope"], [8.0])
     b = bench.Bench("m", bench.make_scenarios(2, seed=0), tmp_path, tmp_path / "cache")
-    assert bench.ROWS["none"].server(b, None) == bench.ROWS["full"].server(b, None)  # one stock server
-    assert dict(bench.ROWS["none"].server(b, None).env)["VLLM_PLUGINS"] == ""
+    both = b.scenarios
+    assert bench.ROWS["none"].server(b, None, both) == bench.ROWS["full"].server(b, None, both)  # one stock server
+    assert dict(bench.ROWS["none"].server(b, None, both).env)["VLLM_PLUGINS"] == ""
     monkeypatch.setattr(bench.Bench, "calibration", lambda self: tmp_path / "cal.json")
     monkeypatch.setattr(bench.Bench, "context_files",
-                        lambda self: {s["id"]: str(tmp_path / f"{s['id']}.txt") for s in self.scenarios})
+                        lambda self, scenarios: {s["id"]: str(tmp_path / f"{s['id']}.txt") for s in scenarios})
     for eps, composition in ((8.0, "pld"), (1e7, "basic")):
-        server = bench.ROWS["dp_tree"].server(b, eps)
+        server = bench.ROWS["dp_tree"].server(b, eps, both)
         assert server.dp and "--dp-config" in server.cmd
-        cfg = json.loads((tmp_path / f"dp-tree-eps{eps:g}.json").read_text())["dp_privacy"]
+        cfg = json.loads((tmp_path / f"dp-tree-eps{eps:g}-s000.json").read_text())["dp_privacy"]
         att = cfg["attention"]
         assert att["mode"] == "tree" and att["epsilon"] == eps and att["composition"] == composition
         assert list(att["contexts"]) == ["s000", "s001"] and att["calibration"] == str(tmp_path / "cal.json")
         assert cfg["key_file"].startswith(str(tmp_path)) and cfg["ledger_file"].startswith(str(tmp_path))
+
+
+def test_rows_split_scenarios_over_servers():
+    scenarios = bench.make_scenarios(7, seed=0)
+    tree, state = bench.ROWS["dp_tree"], bench.ROWS["dp_state"]
+    parts = bench.server_parts(tree, scenarios)
+    assert [len(p) for p in parts] == [3, 3, 1] and [s for p in parts for s in p] == scenarios
+    assert bench.server_parts(state, scenarios) == [scenarios]
+
+
+def test_append_keeps_rows_not_measured_again(tmp_path):
+    scenarios = "s.jsonl"
+    row = {"row": "none", "eps": None}
+    old = {"model": "m", "scenarios": scenarios, "max_tokens": 32, "command": "first",
+           "rows": [row, {"row": "dp_state", "eps": 8.0}], "budgets": [{"row": "dp_state", "eps": 8.0}],
+           "sample_answers": [{"row": "none", "eps": None, "text": "x"}]}
+    path = tmp_path / "r.json"
+    assert bench.kept_rows(None, "m", scenarios, 32, [])["rows"] == []
+    assert bench.kept_rows(path, "m", scenarios, 32, [])["rows"] == []  # nothing yet
+    path.write_text(json.dumps(old))
+    kept = bench.kept_rows(path, "m", scenarios, 32, [("dp_state", 8.0), ("dp_tree", 8.0)])
+    assert kept == {"rows": [row], "budgets": [], "sample_answers": old["sample_answers"], "commands": ["first"]}
+    with pytest.raises(SystemExit, match="max_tokens"):
+        bench.kept_rows(path, "m", scenarios, 8, [])
 
 
 # --------------------------------------------------------------------------- end to end
