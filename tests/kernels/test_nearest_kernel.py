@@ -20,8 +20,9 @@ import pytest
 import torch
 
 from vllm_dp_plugin.kernels import nearest as kn
+from vllm_dp_plugin.kernels.nearest_reference import fast_topk_torch
 from vllm_dp_plugin.prompt import EmbeddingTable, TokenPrivatizer, token_mechanism
-from vllm_dp_plugin.prompt.nearest import CandidateIndex, brute_force_nearest, fast_topk_torch
+from vllm_dp_plugin.prompt.nearest import CandidateIndex, brute_force_nearest
 
 F64 = torch.float64
 REPO = Path(__file__).resolve().parents[2]

@@ -6,10 +6,10 @@ whole certified search equals float64 brute force."""
 import pytest
 import torch
 
+from vllm_dp_plugin.kernels.nearest_reference import direct_distances, select_within_bound
 from vllm_dp_plugin.kernels.nearest_select import _extension, default_select
 from vllm_dp_plugin.kernels.nearest_select import select_within_bound as select_fused
 from vllm_dp_plugin.prompt import CandidateIndex, brute_force_nearest
-from vllm_dp_plugin.prompt.nearest import direct_distances, select_within_bound
 
 pytestmark = pytest.mark.skipif(_extension() is None, reason="no C++ toolchain for the CPU kernel")
 

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
+from vllm_dp_plugin.kernels.nearest_reference import squared_distance_scores
 from vllm_dp_plugin.prompt import CandidateIndex, brute_force_nearest
-from vllm_dp_plugin.prompt.nearest import squared_distance_scores
 
 K, D = 1000, 32
 

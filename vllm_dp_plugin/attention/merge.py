@@ -8,17 +8,11 @@ The DP part enters as ``private_part(num, den, log_scale)``: post-processing of 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from ..kernels.types import AttentionPart
 
-@dataclass
-class AttentionPart:
-    """``out: [..., d_v]``; ``lse: [...]`` (natural log of the part's softmax denominator)."""
-
-    out: torch.Tensor
-    lse: torch.Tensor
+__all__ = ["AttentionPart", "exact_part", "merge_parts", "private_part"]
 
 
 def private_part(num: torch.Tensor, den: torch.Tensor, log_scale: torch.Tensor) -> AttentionPart:

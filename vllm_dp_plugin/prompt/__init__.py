@@ -5,6 +5,7 @@ mechanisms with honest guarantees), ``CandidateIndex`` (nearest-candidate search
 ``TokenPrivatizer`` (masked prompt -> privatized ids or embeddings, plus a ``PrivacyReceipt``).
 """
 
+from ..kernels.nearest_reference import fast_topk_torch
 from .mechanisms import (
     MECHANISMS,
     AdditiveTokenMechanism,
@@ -13,7 +14,7 @@ from .mechanisms import (
     TokenMechanism,
     token_mechanism,
 )
-from .nearest import CandidateIndex, brute_force_nearest, fast_topk_torch
+from .nearest import CandidateIndex, brute_force_nearest
 from .privatizer import PrivacyReceipt, TokenPrivatizer
 from .table import EmbeddingTable
 

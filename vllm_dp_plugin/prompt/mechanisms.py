@@ -42,6 +42,7 @@ from typing import Any
 import torch
 from dp_accounting import dp_event
 
+from ..kernels.nearest_reference import squared_distance_scores
 from ..privacy.events import EpsilonDeltaDpEvent
 from ..privacy.mechanisms import (
     Mechanism,
@@ -51,7 +52,6 @@ from ..privacy.mechanisms import (
 )
 from ..privacy.trlaplace import trlaplace_mechanism, true_delta
 from ..privacy.validation import check_count, check_delta, check_epsilon
-from .nearest import squared_distance_scores
 from .table import EmbeddingTable, l2_diameter
 
 MECHANISMS: tuple[str, ...] = (

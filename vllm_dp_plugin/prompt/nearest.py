@@ -20,40 +20,19 @@ vector with public data, so none of this affects privacy, only utility.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from ..kernels.nearest_reference import (
+    direct_distances,
+    fast_topk_torch,
+    select_within_bound,
+    squared_distance_scores,
+)
+from ..kernels.types import FastPass, SelectPass
+
 BRUTE_FORCE_ELEMENTS = 1 << 22  # float64 elements of one brute-force [c, K, d] block (32 MiB)
-
-FastPass = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
-"""``(queries [n, d] fp32, fast_rows [K, d] fp32|bf16, sq_norms [K] fp32, k) -> [n, k] int64``:
-positions of (a superset approximation of) the k smallest scores of each query."""
-
-
-def squared_distance_scores(
-    queries: torch.Tensor, rows: torch.Tensor, sq_norms: torch.Tensor
-) -> torch.Tensor:
-    """``||e||^2 - 2 <e, r>`` for every query r ``[n, d]`` and row e ``[K, d]``: ``[n, K]``.
-
-    Computed in the dtype of ``rows`` with fp32 (or wider) output; adding ``||r||^2`` gives the
-    squared Euclidean distance up to rounding of the GEMM expansion. fp32 rows: one fused
-    ``addmm`` (the factor -2 is exact).
-    """
-    if rows.dtype == sq_norms.dtype == torch.float32:
-        return torch.addmm(sq_norms, queries.to(rows.dtype), rows.T, alpha=-2.0)
-    out_dtype = torch.promote_types(sq_norms.dtype, torch.float32)
-    dots = (queries.to(rows.dtype) @ rows.T).to(out_dtype)  # [n, K]
-    return sq_norms.to(out_dtype)[None, :] - 2.0 * dots
-
-
-def fast_topk_torch(
-    queries: torch.Tensor, fast_rows: torch.Tensor, sq_norms: torch.Tensor, k: int
-) -> torch.Tensor:
-    """Torch ``FastPass``: positions ``[n, k]`` of the k smallest GEMM scores per query."""
-    scores = squared_distance_scores(queries, fast_rows, sq_norms)  # [n, K] fp32
-    return scores.topk(k, dim=1, largest=False).indices
 
 
 def lowest_argmin(values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -63,12 +42,6 @@ def lowest_argmin(values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor
     is_min = values == values.min(dim=1, keepdim=True).values
     sentinel = torch.iinfo(torch.int64).max
     return torch.where(is_min, positions, sentinel).min(dim=1).values
-
-
-def direct_distances(rows: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
-    """float64 ``||e - r||^2`` of paired rows ``[..., d]`` and queries ``[..., d]`` (broadcast):
-    the differences are exact and the sum carries float64 rounding only."""
-    return (rows.to(torch.float64) - queries.to(torch.float64)).pow(2).sum(-1)
 
 
 def rerank_exact(queries: torch.Tensor, rows: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
@@ -92,32 +65,6 @@ def score_error_bound(queries: torch.Tensor, sq_norms: torch.Tensor) -> torch.Te
     gamma = (d + 2) * u / (1.0 - (d + 2) * u)
     top_norm = float(sq_norms.max().sqrt()) if sq_norms.numel() else 0.0
     return (gamma + u) * (top_norm**2 + 2.0 * top_norm * queries.norm(dim=1))
-
-
-SelectPass = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-"""``(scores [n, K] fp32, slack [n] fp32, queries [n, d] fp32, rows [K, d] fp32) -> [n] int64``:
-for each query, among the rows whose score is <= its minimum score + slack, the position of the
-nearest by float64 ``direct_distances``; ties -> lowest position."""
-
-
-def select_within_bound(
-    scores: torch.Tensor, slack: torch.Tensor, queries: torch.Tensor, rows: torch.Tensor
-) -> torch.Tensor:
-    """Torch ``SelectPass`` (the reference of ``kernels.nearest_select``). Raises ValueError when
-    a query's scores are not finite."""
-    n = scores.shape[0]
-    threshold = scores.amin(dim=1) + slack  # [n]
-    if not bool(torch.isfinite(threshold).all()):
-        raise ValueError("select_within_bound: non-finite scores (NaN or inf queries)")
-    query, row = torch.nonzero(scores <= threshold[:, None], as_tuple=True)  # (q, c) pairs
-    dist = direct_distances(rows[row], queries[query])
-    least = torch.full((n,), float("inf"), dtype=dist.dtype, device=dist.device)
-    least = least.scatter_reduce(0, query, dist, reduce="amin")
-    sentinel = torch.iinfo(torch.int64).max
-    ties = torch.where(dist == least[query], row, sentinel)
-    return torch.full((n,), sentinel, dtype=torch.int64, device=rows.device).scatter_reduce(
-        0, query, ties, reduce="amin"
-    )
 
 
 def certified_nearest_fp32(

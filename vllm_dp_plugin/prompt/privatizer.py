@@ -21,10 +21,12 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels.nearest_reference import fast_topk_torch, select_within_bound
+from ..kernels.types import FastPass, SelectPass
 from ..privacy.accountant import Budget, PrivacyLedger
 from ..privacy.validation import check_count, check_delta
 from .mechanisms import AdditiveTokenMechanism, ExponentialMechanism, TokenGuarantee, TokenMechanism
-from .nearest import CandidateIndex, FastPass, SelectPass, fast_topk_torch, select_within_bound
+from .nearest import CandidateIndex
 from .table import EmbeddingTable
 
 NO_GUARANTEE = Budget(math.inf, 1.0)

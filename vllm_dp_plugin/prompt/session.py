@@ -49,10 +49,11 @@ from typing import Any
 
 import torch
 
+from ..kernels.nearest_reference import fast_topk_torch, select_within_bound
+from ..kernels.types import FastPass, SelectPass
 from ..privacy.accountant import Budget
 from ..privacy.keyed_noise import fresh_generator, seeded_generator
 from .mechanisms import MECHANISMS, token_mechanism
-from .nearest import FastPass, SelectPass, fast_topk_torch, select_within_bound
 from .privatizer import PrivacyReceipt, TokenPrivatizer, candidate_index
 from .table import EmbeddingTable
 

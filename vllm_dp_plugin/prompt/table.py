@@ -23,8 +23,8 @@ from functools import cached_property
 
 import torch
 
+from ..kernels.nearest_reference import squared_distance_scores
 from ..privacy.validation import check_count, check_positive
-from .nearest import squared_distance_scores
 
 DIAMETER_BLOCK_ELEMENTS = 1 << 24  # float64 entries of one [c, V] block of the diameter GEMM
 

@@ -7,9 +7,9 @@ of candidate w for query r is
     s_w = ||e_w||^2 - 2 <e_w, r>        (fp32; squared distance minus the constant ||r||^2)
 
 and the fast pass returns the positions ``[n, k]`` int64 (0..K-1) of the k smallest scores of each
-query. Implementations share the ``prompt.nearest.FastPass`` signature:
+query. Implementations share the ``types.FastPass`` signature:
 
-* ``fast_topk_reference``: torch (``prompt.nearest.fast_topk_torch``: one [n, K] score matrix and
+* ``fast_topk_reference``: torch (``nearest_reference.fast_topk_torch``: one [n, K] score matrix and
   ``topk``);
 * ``fast_topk_triton``: one Triton program per (block of ``BLOCK_N`` queries, split of the
   candidate range: split-K over the vocabulary). It streams over candidate tiles of ``BLOCK_K``
@@ -43,9 +43,9 @@ import functools
 
 import torch
 
-from vllm_dp_plugin.prompt.nearest import FastPass, fast_topk_torch
-
+from .nearest_reference import fast_topk_torch
 from .tree_build import interpret_requested, triton_available
+from .types import FastPass
 
 BLOCK_N = 64  # queries per program
 BLOCK_K = 64  # candidate rows per tile
@@ -81,7 +81,7 @@ def fast_topk_reference(
     queries: torch.Tensor, fast_rows: torch.Tensor, sq_norms: torch.Tensor, k: int
 ) -> torch.Tensor:
     """Torch reference ``FastPass``: positions ``[n, k]`` int64 of the k smallest scores
-    ``sq_norms - 2 q e^T`` per query (``prompt.nearest.fast_topk_torch``), same validation as
+    ``sq_norms - 2 q e^T`` per query (``nearest_reference.fast_topk_torch``), same validation as
     ``fast_topk_triton``. Order among exactly tied scores is torch's (unspecified)."""
     _check(queries, fast_rows, sq_norms, k)
     return fast_topk_torch(queries.to(torch.float32), fast_rows, sq_norms, k)

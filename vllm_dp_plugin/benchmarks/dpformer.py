@@ -65,7 +65,7 @@ from vllm_dp_plugin.trainer.synthetic import (
     leave_one_out,
 )
 
-DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+DEFAULT_OUT = Path("benchmarks/results")
 WEIGHT_DECAY = 1e-5
 WARMUP_FRAC = 0.2
 TOP_K = 10

@@ -36,17 +36,13 @@ from pathlib import Path
 
 import torch
 
+from vllm_dp_plugin.kernels.nearest_reference import fast_topk_torch, select_within_bound
 from vllm_dp_plugin.kernels.nearest_select import default_select
+from vllm_dp_plugin.kernels.types import FastPass, SelectPass
 from vllm_dp_plugin.prompt import EmbeddingTable, TokenPrivatizer, token_mechanism
-from vllm_dp_plugin.prompt.nearest import (
-    CandidateIndex,
-    FastPass,
-    SelectPass,
-    fast_topk_torch,
-    select_within_bound,
-)
+from vllm_dp_plugin.prompt.nearest import CandidateIndex
 
-DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+DEFAULT_OUT = Path("benchmarks/results")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TOPK, CHUNK = 32, 512
 PRIVATIZER_BYTES_PER_ENTRY = 30  # peak bytes per V*d entry while building table + index

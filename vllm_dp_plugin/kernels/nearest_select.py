@@ -1,5 +1,5 @@
 """The selection step of the certified fp32 nearest-candidate search, fused for CPU (C++ via
-``cpu_extension``), beside its torch reference ``prompt.nearest.select_within_bound``.
+``cpu_extension``), beside its torch reference ``nearest_reference.select_within_bound``.
 
 ``select_within_bound(scores, slack, queries, rows)``: ``scores [n, K]`` fp32 GEMM scores
 ``||e||^2 - 2 <e, r>``, ``slack [n]`` fp32, ``queries [n, d]``, ``rows [K, d]`` fp32. For each
@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from vllm_dp_plugin.prompt.nearest import SelectPass
-from vllm_dp_plugin.prompt.nearest import select_within_bound as select_torch
-
 from .cpu_extension import load
+from .nearest_reference import select_within_bound as select_torch
+from .types import SelectPass
 
 
 def _extension():

@@ -67,7 +67,7 @@ from torch import nn
 
 from vllm_dp_plugin.trainer.engine import DPConfig, DPEngine, causal_lm_per_sample_loss
 
-DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+DEFAULT_OUT = Path("benchmarks/results")
 TARGET_TIME_RATIO = 1.5  # ours <= 1.5x the non-private step time
 TARGET_MEMORY_RATIO = 1.3  # ours <= 1.3x the non-private peak memory
 # float32 per-sample norms, the two sides reducing in different orders: the longest reduction is a

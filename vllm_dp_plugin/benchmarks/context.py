@@ -34,7 +34,7 @@ in ``--cache-dir``. Writes ``context-<device>-<date>.{md,json,png}`` into ``--ou
 ``--append`` the rows of an existing file of that name that this run does not measure are kept
 (add one mechanism without re-running the others).
 
-Scenarios: ``benchmarks/data/context-scenarios.jsonl`` (24, ``--make-scenarios`` with seed 0),
+Scenarios: ``vllm_dp_plugin/benchmarks/data/context-scenarios.jsonl`` (24, ``--make-scenarios`` with seed 0),
 one JSON object per line::
 
     {"id": str, "documents": [str, ...],

@@ -19,9 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from vllm_dp_plugin.attention.merge import AttentionPart
-
 from .cpu_extension import load
+from .types import AttentionPart
 
 
 def _extension():

@@ -1,0 +1,1 @@
+"""Triton kernels, each beside its torch reference; the leaf of the package (imports nothing else of vllm_dp_plugin)."""
