@@ -112,6 +112,13 @@ def test_advanced_epsilon_survives_large_k():
     assert eps == pytest.approx(expected, rel=1e-12)
 
 
+def test_advanced_epsilon_of_huge_eps_does_not_overflow():
+    """eps = 1e7 (the benchmarks' kernel-error-only row): e^eps overflows a float, so the DRV
+    bound is inf and the optimal theorem (here k eps, basic composition) answers."""
+    assert advanced_epsilon(1e7, 1e-10, 65, 1e-5) == pytest.approx(65 * 1e7)
+    assert advanced_epsilon(700.0, 1e-10, 3, 1e-5) == pytest.approx(3 * 700.0)
+
+
 @pytest.mark.parametrize(
     "call,match",
     [

@@ -156,7 +156,9 @@ def advanced_epsilon(epsilon: float, delta: float, k: int, total_delta: float) -
     slack = total_delta - k * delta
     if slack <= 0:
         return math.inf
-    drv = epsilon * math.sqrt(2 * k * math.log(1 / slack)) + k * epsilon * math.expm1(epsilon)
+    # e^eps overflows a float beyond eps ~ 709: the bound is then inf (still valid, never fits)
+    growth = math.expm1(epsilon) if epsilon < 700 else math.inf
+    drv = epsilon * math.sqrt(2 * k * math.log(1 / slack)) + k * epsilon * growth
     try:
         with np.errstate(over="ignore", invalid="ignore"):
             optimal = pld_theorems.advanced_composition(
