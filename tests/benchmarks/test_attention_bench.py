@@ -9,7 +9,8 @@ import torch
 
 from vllm_dp_plugin.attention.core import DPCrossAttention
 from vllm_dp_plugin.attention.mapping import HeadMapping
-from vllm_dp_plugin.benchmarks import attention as bench
+from vllm_dp_plugin.benchmarks.attention import experiments, report
+from vllm_dp_plugin.benchmarks.attention.settings import Settings, TreePlan
 from vllm_dp_plugin.cli import main
 
 DATE = "2026-11-22"
@@ -66,7 +67,7 @@ def test_json_and_csv_hold_the_raw_numbers(quick_run):
     sources = {(s["mode"], s["n"]): s for s in results["accuracy"]["sources"]}
     assert sources[("state", 512)]["clip_rel_median"] == 0  # paper setting: nothing is clipped
     assert sources[("state", 512)]["kernel_rel_median"] < 0.1
-    if bench.tree_release_class() is not None:
+    if experiments.tree_release_class() is not None:
         assert records[("tree", 16, 512, 1.0)]["status"] == "ok"
         assert sources[("tree", 512)]["ownleaf_rel_median"] >= 0
     speed = results["speed"]["rows"]
@@ -91,15 +92,15 @@ def test_render_rewrites_the_report_from_the_json(quick_run):
 
 def test_served_clamp_equals_core_clamp():
     """The bench reads the pre-clamp denominator with clamp=False and clamps itself: same output."""
-    k, q, v = bench.synthetic(300, 8, 16, seed=0)
+    k, q, v = experiments.synthetic(300, 8, 16, seed=0)
     mapping = HeadMapping.paper(8)
-    settings = bench.Settings(epsilons=(0.5,))
+    settings = Settings(epsilons=(0.5,))
     outs = []
     for clamp in (True, False):
-        params = bench.make_params("state", 0.5, settings)
+        params = experiments.make_params("state", 0.5, settings)
         params = type(params)(**{**params.__dict__, "clamp": clamp})
         att = DPCrossAttention(params, mapping, 1, 8, 8).build(k, v, torch.Generator().manual_seed(3))
-        outs.append(att.query(q) if clamp else bench.dp_answer(att, q)["out"])
+        outs.append(att.query(q) if clamp else experiments.dp_answer(att, q)["out"])
     assert torch.equal(outs[0], outs[1])
 
 
@@ -108,17 +109,17 @@ def test_targets_report_pass_fail_and_unmeasured():
         "accuracy": {"target": {"rel_median": 0.05}},
         "speed": {"rows": [{"n": 16384, "d": 64, "state_speedup": 3.0, "tree_build_over_prefill": 2.0}]},
     }
-    lines = [bench.target_line(t) for t in bench.targets(results)]
+    lines = [report.target_line(t) for t in report.targets(results)]
     assert lines[0].startswith("PASS state accuracy")
     assert lines[1].startswith("FAIL state query throughput")
     assert lines[2].startswith("PASS tree build")
-    assert all(bench.target_line(t).startswith("n/a") for t in bench.targets({}))
+    assert all(report.target_line(t).startswith("n/a") for t in report.targets({}))
 
 
 def test_slope_fit_and_tree_plan():
-    assert bench.fit_slope([1e3, 4e3, 16e3], [1.0, 0.25, 0.0625]) == pytest.approx(-1.0)
-    assert math.isnan(bench.fit_slope([1e3], [1.0]))
-    plan = bench.TreePlan()
+    assert experiments.fit_slope([1e3, 4e3, 16e3], [1.0, 0.25, 0.0625]) == pytest.approx(-1.0)
+    assert math.isnan(experiments.fit_slope([1e3], [1.0]))
+    plan = TreePlan()
     assert plan.runs(64, 1024, (0.5, 1.0, 4.0, 16.0), 3) == ([0.5, 1.0, 4.0, 16.0], 3)
     assert plan.runs(64, 32768, (0.5, 1.0, 4.0, 16.0), 3) == ([1.0], 1)
-    assert bench.TreePlan("full").runs(128, 32768, (1.0,), 3) == ([1.0], 3)
+    assert TreePlan("full").runs(128, 32768, (1.0,), 3) == ([1.0], 3)

@@ -173,7 +173,7 @@ def test_rows_split_scenarios_over_servers():
     scenarios = bench.make_scenarios(7, seed=0)
     tree, state = bench.ROWS["dp_tree"], bench.ROWS["dp_state"]
     parts = bench.server_parts(tree, scenarios)
-    assert [len(p) for p in parts] == [3, 3, 1] and [s for p in parts for s in p] == scenarios
+    assert [len(p) for p in parts] == [2, 2, 2, 1] and [s for p in parts for s in p] == scenarios
     assert bench.server_parts(state, scenarios) == [scenarios]
 
 

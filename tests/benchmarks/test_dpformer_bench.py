@@ -1,4 +1,4 @@
-"""``benchmarks/dpformer.py --quick``: runs end to end and writes md + json + png; the pieces the
+"""``vllm-dp bench dpformer --quick`` (``benchmarks.dpformer``): runs end to end and writes md + json + png; the pieces the
 table rests on (schedule, seed aggregation, MostPop floor, public p_v) behave as documented."""
 
 import json

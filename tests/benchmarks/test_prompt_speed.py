@@ -1,4 +1,4 @@
-"""``benchmarks/prompt_speed.py --quick``: runs end to end and writes the md + json tables."""
+"""``vllm-dp bench prompt-speed --quick`` (``benchmarks.prompt_speed``): runs end to end and writes the md + json tables."""
 
 import json
 

@@ -1,4 +1,4 @@
-"""``benchmarks/train.py``: ``--quick`` end to end (every method row, files written), the
+"""``vllm-dp bench train`` (``benchmarks.train``): ``--quick`` end to end (every method row, files written), the
 verdict helpers, and the worker isolation (an error or a timeout is a row, not a crash)."""
 
 import json

@@ -45,16 +45,12 @@ one JSON object per line::
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import os
 import platform
 import random
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -64,12 +60,22 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Self
+
+from vllm_dp_plugin.benchmarks.lib import vllm as vllm_lib
+from vllm_dp_plugin.benchmarks.lib.cli import DEFAULT_OUT, parse, today
+from vllm_dp_plugin.benchmarks.lib.environment import default_device, device_label
+from vllm_dp_plugin.benchmarks.lib.report import (
+    pyplot,
+    save_figure,
+    suffixed,
+    write_json,
+    write_text,
+)
+from vllm_dp_plugin.benchmarks.lib.vllm import LAUNCH, VLLM_DP
 
 DEFAULT_MODEL = ".models/smollm2-135m-instruct"
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"  # built with vllm_dp_plugin.models.import_model when missing
 DEFAULT_SCENARIOS = Path(__file__).resolve().parent / "data" / "context-scenarios.jsonl"
-DEFAULT_OUT = Path("benchmarks/results")
 DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "vllm-dp" / "bench-context"
 DEFAULT_EPS = (1.0, 4.0, 8.0, 64.0)
 KERNEL_ONLY_EPS = 1e7  # noise negligible: what remains is the kernel (feature map) error
@@ -81,9 +87,7 @@ SUPPORTS = (1, 3, 10, 20)
 ROW_KEYS = ("row", "eps", "shared_accuracy", "secret_leak_rate", "public_accuracy",
             "seconds_per_answer", "n_questions")
 ENGINE_FLAGS = ["--dtype", "float32", "--max-model-len", "4096", "--block-size", "32", "--enforce-eager",
-                "--gpu-memory-utilization", "0.25", "--seed", "0"]
-LAUNCH = [sys.executable, "-m", "vllm_dp_plugin.serving.launch"]  # `vllm ...` with the CPU shim
-VLLM_DP = [sys.executable, "-m", "vllm_dp_plugin.cli"]  # `vllm-dp ...`
+                "--gpu-memory-utilization", "0.1", "--seed", "0"]  # KV: 2.4 GB of 24
 
 
 # =========================================================================== scenario generator
@@ -594,9 +598,9 @@ ROWS: dict[str, Row] = {
     "dp_state": Row("DP attention, mode state (noisy kernelised state)", True, dp_server("state"), dp_request),
     # Taylor degree 1 keeps the path-sum tables small, and still an ~800-token context's release is
     # ~4.7 GB on SmolLM2 (30 layers x 3 KV heads x 65 features x 1024 leaves x 3 moments x 65 columns
-    # x 4 bytes): 3 contexts a server.
+    # x 4 bytes): 2 contexts a server.
     "dp_tree": Row("DP attention, mode tree (DPTree; Taylor degree 1 keeps its tables small)", True,
-                   dp_server("tree", degree=1), dp_request, contexts_per_server=3),
+                   dp_server("tree", degree=1), dp_request, contexts_per_server=2),
 }
 
 
@@ -647,62 +651,13 @@ class Bench:
         return self._layout
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class RunningServer:
-    """Context manager: start ``server`` on a free local port, wait for /health, stop its group."""
+class RunningServer(vllm_lib.RunningServer):
+    """``server`` started on a free local port until /health answers, stopped on exit
+    (``benchmarks.lib.vllm.RunningServer``), and asked for completions."""
 
     def __init__(self, server: Server, log: Path, timeout: float = 900) -> None:
-        self.server, self.log, self.timeout = server, log, timeout
-
-    def __enter__(self) -> Self:
-        port = _free_port()
-        env = dict(os.environ)
-        for name, value in self.server.env:
-            if value is None:
-                env.pop(name, None)
-            else:
-                env[name] = value
-        with self.log.open("w") as handle:
-            self.proc = subprocess.Popen([*self.server.cmd, "--host", "127.0.0.1", "--port", str(port)], env=env,
-                                         stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)
-        self.base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + self.timeout
-        try:
-            while True:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"server exited ({self.proc.returncode}); see {self.log}:\n"
-                                       + self.log.read_text()[-4000:])
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"server not healthy after {self.timeout:.0f} s; see {self.log}")
-                try:
-                    urllib.request.urlopen(self.base + "/health", timeout=2)
-                    return self
-                except OSError:
-                    time.sleep(2)
-        except BaseException:
-            self._stop()
-            raise
-
-    def __exit__(self, *exc) -> None:
-        self._stop()
-
-    def _stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-
-    def get(self, path: str) -> dict:
-        with urllib.request.urlopen(self.base + path, timeout=60) as response:
-            return json.loads(response.read())
+        super().__init__(server.cmd, log, vllm_lib.with_env(server.env), timeout)
+        self.server = server
 
     def complete(self, model: str, request: Request, max_tokens: int) -> dict:
         body = {"model": model, "prompt": request.prompt, "max_tokens": max_tokens, "temperature": 0.0,
@@ -866,10 +821,7 @@ def _pct(x: float | None) -> str:
 def plot(data: dict, path: Path) -> None:
     """Shared-fact accuracy (all supports), public accuracy and secret leak rate vs eps: one curve
     per DP mechanism, ``none``/``full`` as horizontal lines."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     def shared(r):
         n = data["question_counts_by_support"]
@@ -895,8 +847,7 @@ def plot(data: dict, path: Path) -> None:
         ax.legend(fontsize=8)
     fig.suptitle(f"vllm-dp bench context: {Path(data['model']).name}, {data['device']}", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 def _shown(path: Path) -> str:
@@ -905,17 +856,6 @@ def _shown(path: Path) -> str:
         return str(Path(path).resolve().relative_to(Path.cwd()))
     except ValueError:
         return str(path)
-
-
-def device_tag() -> str:
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            return torch.cuda.get_device_name(0).replace(" ", "-").lower()
-    except ImportError:
-        pass
-    return f"cpu-{os.cpu_count()}core"
 
 
 # =========================================================================== CLI
@@ -983,10 +923,7 @@ def ensure_model(model: str) -> str:
 
 def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
     """``args``: parsed arguments (``add_cli_args``) or an argv list (``vllm-dp bench context ...``)."""
-    argv = None
-    if not isinstance(args, argparse.Namespace):
-        argv = list(sys.argv[1:] if args is None else args)
-        args = build_parser().parse_args(argv)
+    args, argv = parse(args, build_parser)
     if args.make_scenarios is not None:
         path = write_scenarios(make_scenarios(args.count, args.seed), args.make_scenarios)
         print(f"{args.count} scenarios (seed {args.seed}) written to {path}")
@@ -1006,8 +943,8 @@ def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="vllm-dp-bench-context-"))
     bench = Bench(model, scenarios, work, args.cache_dir, max_tokens, args.concurrency)
     started = time.perf_counter()
-    date = datetime.date.today().isoformat()
-    device = device_tag()
+    date = today()
+    device = device_label(default_device())  # the device vLLM serves on
     questions = [q for s in every for q in s["questions"]]
     by_support = {}
     for q in questions:
@@ -1016,7 +953,7 @@ def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
     command = "vllm-dp bench context" + ("" if argv is None else " " + " ".join(argv))
     stem = args.out / f"context-{device}-{date}"
 
-    kept = kept_rows(stem.with_suffix(".json") if args.append else None, model, _shown(args.scenarios), max_tokens,
+    kept = kept_rows(suffixed(stem, ".json") if args.append else None, model, _shown(args.scenarios), max_tokens,
                      jobs_of(rows, eps))
 
     def write(results, budgets, samples) -> None:
@@ -1029,16 +966,16 @@ def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
                 "concurrency": args.concurrency, "budgets": kept["budgets"] + budgets,
                 "sample_answers": kept["sample_answers"] + samples,
                 "wall_s": time.perf_counter() - started}
-        stem.with_suffix(".json").write_text(json.dumps(data, indent=1))
-        stem.with_suffix(".md").write_text(markdown(data))
-        plot(data, stem.with_suffix(".png"))
+        write_json(suffixed(stem, ".json"), data, indent=1)
+        write_text(suffixed(stem, ".md"), markdown(data))
+        plot(data, suffixed(stem, ".png"))
 
     try:
         run(bench, rows, eps, after_row=write)
     except BaseException:
         print(f"vllm-dp bench context: logs kept in {work}", file=sys.stderr)
         raise
-    print(stem.with_suffix(".md").read_text())
+    print(suffixed(stem, ".md").read_text())
     shutil.rmtree(work, ignore_errors=True)
     return 0
 

@@ -32,8 +32,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
-import json
 import math
 import statistics
 import sys
@@ -44,7 +42,24 @@ from pathlib import Path
 
 import torch
 
-from vllm_dp_plugin.benchmarks.prompt_speed import _loadavg, device_label, environment
+from vllm_dp_plugin.benchmarks.lib.cli import (
+    add_date_arg,
+    add_out_arg,
+    add_quick_arg,
+    floats,
+    ints,
+    parse,
+    today,
+)
+from vllm_dp_plugin.benchmarks.lib.environment import device_label, environment, loadavg
+from vllm_dp_plugin.benchmarks.lib.progress import logger
+from vllm_dp_plugin.benchmarks.lib.report import (
+    pyplot,
+    save_figure,
+    suffixed,
+    write_json,
+    write_text,
+)
 from vllm_dp_plugin.trainer.accounting import noise_multiplier_for
 from vllm_dp_plugin.trainer.engine import DPConfig, DPEngine, warmup_linear_decay_scheduler
 from vllm_dp_plugin.trainer.metrics import RankingMetrics, evaluate_ranking
@@ -65,7 +80,6 @@ from vllm_dp_plugin.trainer.synthetic import (
     leave_one_out,
 )
 
-DEFAULT_OUT = Path("benchmarks/results")
 WEIGHT_DECAY = 1e-5
 WARMUP_FRAC = 0.2
 TOP_K = 10
@@ -402,7 +416,7 @@ def render_markdown(results: dict) -> str:
         "",
         f"Command: `{meta['command']}`",
         "",
-        f"torch {meta['env']['torch']}, python {meta['env']['python']}, {meta['env']['threads']} threads.",
+        f"torch {meta['env']['torch']}, python {meta['env']['python']}, {meta['env']['torch_threads']} threads.",
         "",
         "## Setup",
         "",
@@ -470,11 +484,7 @@ def render_markdown(results: dict) -> str:
 def plot(results: dict, path: Path) -> None:
     """NDCG@10 vs eps per DP method (error bars = std over seeds); non-private and MostPop as
     horizontal lines."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
     summary = results["summary"]
     for method in (m for m in results["methods"] if m["private"]):
@@ -503,25 +513,16 @@ def plot(results: dict, path: Path) -> None:
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 def write(results: dict, stem: Path) -> None:
-    Path(f"{stem}.json").write_text(json.dumps(results, indent=2) + "\n")
-    Path(f"{stem}.md").write_text(render_markdown(results))
-    plot(results, Path(f"{stem}.png"))
+    write_json(suffixed(stem, ".json"), results, indent=2, newline=True)
+    write_text(suffixed(stem, ".md"), render_markdown(results))
+    plot(results, suffixed(stem, ".png"))
 
 
 # --------------------------------------------------------------------------- CLI
-
-
-def _floats(text: str) -> list[float]:
-    return [float(x) for x in text.split(",") if x]
-
-
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
 
 
 QUICK = {
@@ -554,15 +555,10 @@ FULL = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="vllm-dp bench dpformer",
-        description="DPFormer vs DP vanilla Transformer vs non-private on synthetic long-tailed data.",
-    )
-    p.add_argument(
-        "--out", type=Path, default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})"
-    )
-    p.add_argument("--quick", action="store_true", help="toy sizes (seconds; for tests)")
+def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p = parser
+    add_out_arg(p)
+    add_quick_arg(p, "toy sizes (seconds; for tests)")
     p.add_argument("--users", type=int, help=f"private users N (default {FULL['users']})")
     p.add_argument(
         "--public-users", type=int, help=f"public sample for p_v (default {FULL['public_users']})"
@@ -587,20 +583,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--epochs", type=float, help=f"epochs, T = ceil(epochs N / B) (default {FULL['epochs']:g})"
     )
-    p.add_argument("--epsilons", type=_floats, help="comma list (default 5,8,10)")
-    p.add_argument("--seeds", type=_ints, help="training seeds (default 0,1,2)")
+    p.add_argument("--epsilons", type=floats, help="comma list (default 5,8,10)")
+    p.add_argument("--seeds", type=ints, help="training seeds (default 0,1,2)")
     p.add_argument(
         "--lambdas",
-        type=_floats,
+        type=floats,
         help="Re-Attention lambdas: the first is the DPFormer row, the others tuned rows (default 1,0.01)",
     )
     p.add_argument("--lr", type=float, default=5e-3, help="peak Adam learning rate (default 5e-3)")
     p.add_argument("--dropout", type=float, default=0.2, help="dropout (default 0.2)")
     p.add_argument("--data-seed", type=int, default=0, help="synthetic data seed (default 0)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
-    p.add_argument("--date", default="", help="date stamp of the result files (default today)")
+    add_date_arg(p)
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     return p
+
+
+def build_parser(prog: str = "vllm-dp bench dpformer") -> argparse.ArgumentParser:
+    return add_cli_args(argparse.ArgumentParser(
+        prog=prog,
+        description="DPFormer vs DP vanilla Transformer vs non-private on synthetic long-tailed data.",
+    ))
 
 
 def _fill_defaults(args) -> None:
@@ -611,16 +614,16 @@ def _fill_defaults(args) -> None:
         raise SystemExit("--lambdas needs at least one value")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
+    """``args``: parsed options (``add_cli_args``) or an argv list (``vllm-dp bench dpformer ...``)."""
+    args, argv = parse(args, build_parser)
     _fill_defaults(args)
     if args.threads:
         torch.set_num_threads(args.threads)
-    args.date = args.date or datetime.date.today().isoformat()
-    log = (lambda msg: None) if args.quiet else (lambda msg: print(msg, flush=True))
+    args.date = today(args.date)
+    log = logger(not args.quiet)
 
-    load_start, start = _loadavg(), time.perf_counter()
+    load_start, start = loadavg(), time.perf_counter()
     dataset = build_dataset(args)
     plan = schedule(dataset.num_users, args.batch_size, args.epochs)
     args.sigmas = {
@@ -628,8 +631,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for eps in args.epsilons
     }
     label = device_label(torch.device("cpu"))
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"dpformer-{label}-{args.date}"
+    stem = Path(args.out) / f"dpformer-{label}-{args.date}"
     rows = methods(args.lambdas)
     floor = most_pop(dataset)
     results: dict = {
@@ -682,11 +684,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         results["meta"] = {
             "device": label,
             "date": args.date,
-            "command": "python -m vllm_dp_plugin.benchmarks.dpformer " + " ".join(argv),
+            "command": " ".join(["python -m vllm_dp_plugin.benchmarks.dpformer", *(argv or [])]),
             "env": environment(torch.device("cpu")),
             "wall_s": time.perf_counter() - start,
             "loadavg_start": load_start,
-            "loadavg_end": _loadavg(),
+            "loadavg_end": loadavg(),
         }
         write(results, stem)
         log(f"wrote {stem}.md, .json and .png (seeds {results['seeds_done']})")

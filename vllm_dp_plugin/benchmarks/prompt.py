@@ -34,12 +34,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
-import json
 import math
 import random
 import re
-import shlex
 import sys
 import time
 import warnings
@@ -53,16 +50,30 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from vllm_dp_plugin.benchmarks.attention import (
-    Progress,
-    _floats,
-    _json_default,
-    _table,
-    device_tag,
-    fmt,
-    machine_info,
-    make_generator,
+from vllm_dp_plugin.benchmarks.lib.cli import (
+    DEFAULT_OUT,
+    add_date_arg,
+    add_device_arg,
+    add_out_arg,
+    add_quick_arg,
+    command_line,
+    floats,
+    names,
+    parse,
+    today,
 )
+from vllm_dp_plugin.benchmarks.lib.environment import device_label, environment
+from vllm_dp_plugin.benchmarks.lib.progress import Progress, logger
+from vllm_dp_plugin.benchmarks.lib.report import (
+    fmt,
+    pyplot,
+    read_json,
+    save_figure,
+    suffixed,
+    write_json,
+    write_text,
+)
+from vllm_dp_plugin.benchmarks.lib.report import table as md_table
 from vllm_dp_plugin.privacy.mechanisms import NotDifferentiallyPrivateWarning
 from vllm_dp_plugin.privacy.trlaplace import REPO_DELTA_ROOT, repo_effective_dim
 from vllm_dp_plugin.prompt import (
@@ -80,7 +91,6 @@ EMBEDDING_KEY = "embeddings.word_embeddings.weight"
 SPECIAL_TOKEN = re.compile(r"\[.*\]")  # [PAD] [UNK] [CLS] [SEP] [MASK] and the [unusedN] pieces
 METRIC_DP = ("mahalanobis", "cmp")
 REPRODUCTION = ("trlap_paper", "trlap_repro")
-DEFAULT_OUT = Path("benchmarks/results")
 DEFAULT_EPS = (1.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0)
 HOEFFDING_ALPHA = 1e-6  # failure probability of the N_w-vs-bound tolerance
 SENTENCE_SPLIT = re.compile(r"(?<=[.!?])\s+(?=[A-Z])")
@@ -376,14 +386,14 @@ def bootstrap_ci(num: np.ndarray, den: np.ndarray | None, draws: np.ndarray) -> 
 def run(settings: Settings) -> dict:
     """Run the suite and write the result files; returns the results dict."""
     start = time.perf_counter()
-    settings.date = settings.date or datetime.date.today().isoformat()
+    settings.date = today(settings.date)
     if settings.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("--device cuda requested but torch.cuda.is_available() is False")
     unknown = set(settings.mechanisms) - set(MECHANISMS)
     if unknown:
         raise SystemExit(f"unknown mechanisms {sorted(unknown)}; use {', '.join(MECHANISMS)}")
     progress = Progress(settings.progress)
-    log = _logger(settings.progress)
+    log = logger(settings.progress, sys.stderr)
     timing: dict[str, float] = {}
 
     t0 = time.perf_counter()
@@ -446,7 +456,7 @@ def run(settings: Settings) -> dict:
         timing["build_s"] += row["build_s"]
         if built.mechanism is not None:
             privatizer = TokenPrivatizer(table, built.mechanism)
-            generator = make_generator(settings.device, noise_seed(settings.seed, name, eps))
+            generator = torch.Generator(device=settings.device).manual_seed(noise_seed(settings.seed, name, eps))
             t0 = time.perf_counter()
             out, receipt = privatizer.privatize(batch.ids, batch.mask, generator)
             row["privatize_s"] = time.perf_counter() - t0
@@ -479,7 +489,7 @@ def run(settings: Settings) -> dict:
     bar.close()
 
     results = {
-        "machine": machine_info(settings.device),
+        "machine": environment(settings.device),
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(settings).items()},
         "data": {
             "source": "pydoc_data.topics (Python's bundled help texts)",
@@ -505,14 +515,6 @@ def run(settings: Settings) -> dict:
     results["runtime_s"] = time.perf_counter() - start
     write_results(results, settings)
     return results
-
-
-def _logger(enabled: bool):
-    def log(message: str) -> None:
-        if enabled:
-            print(message, file=sys.stderr, flush=True)
-
-    return log
 
 
 # --------------------------------------------------------------------------- analysis
@@ -611,18 +613,15 @@ def notes(results: dict) -> list[str]:
 
 # --------------------------------------------------------------------------- report
 def write_results(results: dict, settings: Settings) -> list[Path]:
-    out = Path(settings.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"prompt-utility-{device_tag(settings.device)}-{settings.date}"
-    files = [stem.with_suffix(".md"), stem.with_suffix(".json"), stem.with_suffix(".png")]
+    stem = Path(settings.out) / f"prompt-utility-{device_label(settings.device, short=True)}-{settings.date}"
+    files = [suffixed(stem, ".md"), suffixed(stem, ".json"), suffixed(stem, ".png")]
     results["bounds"] = bound_curves(results, eps_grid(results))
     results["checks"] = checks(results)
     results["notes"] = notes(results)
     results["files"] = [str(p) for p in files]
-    with open(files[1], "w") as fh:
-        json.dump(results, fh, indent=1, default=_json_default)
+    write_json(files[1], results, indent=1)
     plot(results, files[2])
-    files[0].write_text(markdown(results, settings))
+    write_text(files[0], markdown(results, settings))
     return files
 
 
@@ -635,10 +634,6 @@ def _pivot(results: dict, cell) -> list[list]:
     by = {(r["mechanism"], r["eps"]): r for r in results["rows"]}
     mechs = list(dict.fromkeys(r["mechanism"] for r in results["rows"]))
     return [[m] + [cell(by[(m, e)]) if (m, e) in by else "" for e in grid] for m in mechs]
-
-
-def _log10(x: float) -> str:
-    return "0" if x == 0 else f"{math.log10(x):.3g}"
 
 
 def markdown(results: dict, settings: Settings) -> str:
@@ -701,10 +696,10 @@ def markdown(results: dict, settings: Settings) -> str:
         "",
         "## Token preservation N_w (95% CI)",
         "",
-        _table(["mechanism"] + [f"eps={e:g}" for e in grid], _pivot(
+        md_table(["mechanism"] + [f"eps={e:g}" for e in grid], _pivot(
             results, lambda r: _ci(r["preservation"], r["preservation_ci"]) if "preservation" in r else "n/a")),
         "",
-        _table(["reference (any DP mechanism)"] + [f"eps={e:g}" for e in grid], [
+        md_table(["reference (any DP mechanism)"] + [f"eps={e:g}" for e in grid], [
             ["(S17) vocabulary-average keep bound (e^eps + V delta)/V"]
             + [b["vocab_bound"] for b in results["bounds"]],
             ["same budget e^eps + V delta spent on this text's most frequent pieces (bound on E[N_w])"]
@@ -713,7 +708,7 @@ def markdown(results: dict, settings: Settings) -> str:
         "",
         "## Sentence-embedding cosine, original vs privatized (95% CI)",
         "",
-        _table(["mechanism"] + [f"eps={e:g}" for e in grid], _pivot(
+        md_table(["mechanism"] + [f"eps={e:g}" for e in grid], _pivot(
             results, lambda r: _ci(r["cosine"], r["cosine_ci"]) if "cosine" in r else "n/a")),
         "",
     ]
@@ -722,7 +717,7 @@ def markdown(results: dict, settings: Settings) -> str:
         out += [
             "Nominal metric epsilon eps_m (per unit distance) of the metric-DP runs:",
             "",
-            _table(["mechanism"] + [f"eps_DP={e:g}" for e in grid],
+            md_table(["mechanism"] + [f"eps_DP={e:g}" for e in grid],
                    _pivot({"rows": metric_rows}, lambda r: r["metric_epsilon"])),
             "",
         ]
@@ -735,7 +730,7 @@ def markdown(results: dict, settings: Settings) -> str:
              "input domain (the library's `reproduction_delta`; all V^2 pairs are too many), hence a LOWER "
              "bound on the mechanism's delta. Claimed delta = 4^-d_eff."),
             "",
-            _table(["mechanism", "eps (claimed)", "d_eff", "claimed delta", "true delta >=", "N_w", "cosine",
+            md_table(["mechanism", "eps (claimed)", "d_eff", "claimed delta", "true delta >=", "N_w", "cosine",
                     "status"], [
                 [r["mechanism"], f"{r['eps']:g}", r.get("effective_dim", "n/a"),
                  f"4^-{r['effective_dim']} = 10^{r['claimed_log10_delta']:.4g}" if "claimed_log10_delta" in r
@@ -753,7 +748,7 @@ def markdown(results: dict, settings: Settings) -> str:
             "",
             f"Original: \"{data['first_sentence']}\"",
             "",
-            _table(["mechanism"] + [f"eps={e:g}" for e in eps_cols], [
+            md_table(["mechanism"] + [f"eps={e:g}" for e in eps_cols], [
                 [m] + [ex.get(f"{e:g}", "n/a").replace("|", "\\|") for e in eps_cols]
                 for m, ex in results["examples"].items()
             ]),
@@ -815,11 +810,7 @@ def what_it_means(results: dict) -> list[str]:
 def plot(results: dict, path: Path) -> None:
     """Panels (i) N_w and (ii) sentence cosine vs eps per mechanism (95% CI bands) with the (S17)
     bounds, (iii) claimed vs true delta of the reproduction modes."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     rows = [r for r in results["rows"] if "preservation" in r]
     mechs = list(dict.fromkeys(r["mechanism"] for r in results["rows"]))
     colors = {m: plt.get_cmap("tab10")(i % 10) for i, m in enumerate(MECHANISMS)}
@@ -893,28 +884,17 @@ def plot(results: dict, path: Path) -> None:
                  f"{results['table']['dim']}): {results['data']['sentences']} pydoc sentences, "
                  f"{results['data']['tokens']} privatized pieces", fontsize=10)
     fig.tight_layout(rect=(0, 0.12, 1, 1))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 # --------------------------------------------------------------------------- CLI
-def _names(text: str) -> tuple[str, ...]:
-    return tuple(t.strip() for t in text.split(",") if t.strip())
-
-
-def build_parser(prog: str = "vllm-dp bench prompt") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog=prog,
-        description="Prompt privatization utility vs per-token eps for every token mechanism on the "
-        "all-MiniLM-L6-v2 vocabulary and pydoc English text: token preservation, sentence-embedding "
-        "cosine, (S17) bounds, claimed vs true delta of the paper's calibration. Writes md/json/png.",
-    )
-    p.add_argument("--quick", action="store_true",
-                   help="smoke test (< 60 s on 2 CPU cores): trlap_corrected + trlap_paper, eps 1 and 20000, 40 sentences")
-    p.add_argument("--device", default="cpu", help="cpu or cuda[:i] (default cpu)")
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
-    p.add_argument("--mechanisms", type=_names, help=f"comma list (default all: {','.join(MECHANISMS)})")
-    p.add_argument("--eps", dest="epsilons", type=_floats, help="per-token eps grid (default 1,5,10,20,50,100,200,500,1000)")
+def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p = parser
+    add_quick_arg(p, "smoke test (< 60 s on 2 CPU cores): trlap_corrected + trlap_paper, eps 1 and 20000, 40 sentences")
+    add_device_arg(p)
+    add_out_arg(p)
+    p.add_argument("--mechanisms", type=names, help=f"comma list (default all: {','.join(MECHANISMS)})")
+    p.add_argument("--eps", dest="epsilons", type=floats, help="per-token eps grid (default 1,5,10,20,50,100,200,500,1000)")
     p.add_argument("--sentences", type=int, help="sentences sampled (default 150; quick 40)")
     p.add_argument("--min-pieces", type=int, help="fewest wordpieces per sentence (default 8)")
     p.add_argument("--max-pieces", type=int, help="most wordpieces per sentence (default 40)")
@@ -923,13 +903,22 @@ def build_parser(prog: str = "vllm-dp bench prompt") -> argparse.ArgumentParser:
     p.add_argument("--mahalanobis-lambda", type=float, help="Sigma_lambda mixing weight (default 0.5)")
     p.add_argument("--bootstrap", type=int, help="bootstrap resamples for the CIs (default 2000)")
     p.add_argument("--batch-size", type=int, help="encoder batch size (default 64)")
-    p.add_argument("--date", default="", help="date stamp of the result files (default today)")
+    add_date_arg(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar or log lines")
     p.add_argument("--render", type=Path, metavar="JSON", help="only re-render the markdown/plot of a saved results JSON")
     return p
 
 
-def settings_from_args(args: argparse.Namespace, argv: Sequence[str]) -> Settings:
+def build_parser(prog: str = "vllm-dp bench prompt") -> argparse.ArgumentParser:
+    return add_cli_args(argparse.ArgumentParser(
+        prog=prog,
+        description="Prompt privatization utility vs per-token eps for every token mechanism on the "
+        "all-MiniLM-L6-v2 vocabulary and pydoc English text: token preservation, sentence-embedding "
+        "cosine, (S17) bounds, claimed vs true delta of the paper's calibration. Writes md/json/png.",
+    ))
+
+
+def settings_from_args(args: argparse.Namespace, argv: Sequence[str] | None) -> Settings:
     base = Settings.quick_defaults() if args.quick else {}
     for key in ("mechanisms", "epsilons", "sentences", "min_pieces", "max_pieces", "seed", "delta",
                 "mahalanobis_lambda", "bootstrap", "batch_size"):
@@ -941,22 +930,22 @@ def settings_from_args(args: argparse.Namespace, argv: Sequence[str]) -> Setting
         quick=args.quick,
         progress=not args.no_progress,
         date=args.date,
-        command=" ".join(["vllm-dp bench prompt", *(shlex.quote(a) for a in argv)]),
+        command=command_line("vllm-dp bench prompt", argv),
         **base,
     )
 
 
 def load_results(path: Path) -> tuple[dict, Settings]:
-    results = json.loads(Path(path).read_text())
+    results = read_json(path)
     saved = {k: tuple(v) if isinstance(v, list) else v for k, v in results["settings"].items()}
     saved["out"] = Path(path).parent
     known = set(Settings.__dataclass_fields__)
     return results, Settings(**{k: v for k, v in saved.items() if k in known})
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
+    """``args``: parsed options (``add_cli_args``) or an argv list (``vllm-dp bench prompt ...``)."""
+    args, argv = parse(args, build_parser)
     if args.render:
         results, settings = load_results(args.render)
         write_results(results, settings)
@@ -971,7 +960,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":  # `python benchmarks/prompt.py`: run the installed module (one copy)
-    from vllm_dp_plugin.benchmarks.prompt import main as package_main
-
-    raise SystemExit(package_main())
+if __name__ == "__main__":
+    raise SystemExit(main())

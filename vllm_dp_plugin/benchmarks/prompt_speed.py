@@ -24,10 +24,6 @@ Writes ``prompt-speed-<device>-<date>.md`` and ``.json`` into ``--out``. Run as
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -36,22 +32,36 @@ from pathlib import Path
 
 import torch
 
+from vllm_dp_plugin.benchmarks.lib.cli import (
+    add_date_arg,
+    add_device_arg,
+    add_out_arg,
+    add_quick_arg,
+    ints,
+    parse,
+    today,
+)
+from vllm_dp_plugin.benchmarks.lib.environment import (
+    default_device,
+    device_label,
+    environment,
+    free_bytes,
+    loadavg,
+)
+from vllm_dp_plugin.benchmarks.lib.measure import synchronize, timed_calls
+from vllm_dp_plugin.benchmarks.lib.progress import logger
+from vllm_dp_plugin.benchmarks.lib.report import suffixed, write_json, write_text
 from vllm_dp_plugin.kernels.nearest_reference import fast_topk_torch, select_within_bound
 from vllm_dp_plugin.kernels.nearest_select import default_select
 from vllm_dp_plugin.kernels.types import FastPass, SelectPass
 from vllm_dp_plugin.prompt import EmbeddingTable, TokenPrivatizer, token_mechanism
 from vllm_dp_plugin.prompt.nearest import CandidateIndex
 
-DEFAULT_OUT = Path("benchmarks/results")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TOPK, CHUNK = 32, 512
 PRIVATIZER_BYTES_PER_ENTRY = 30  # peak bytes per V*d entry while building table + index
 CPU_MAX_MACS = 3e11
 CPU_WARMUP = 64  # tokens of the untimed warm-up call on CPU
-
-
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
 
 
 def _tables(text: str) -> list[tuple[int, int]]:
@@ -63,42 +73,6 @@ def _tables(text: str) -> list[tuple[int, int]]:
     return out
 
 
-def device_label(device: torch.device) -> str:
-    """``cpu-<cores>core`` or the GPU's name in lower case with dashes (``nvidia-h200``)."""
-    if device.type != "cuda":
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        return f"cpu-{cores}core"
-    name = torch.cuda.get_device_name(device).lower()
-    return "-".join("".join(c if c.isalnum() else " " for c in name).split())
-
-
-def free_bytes(device: torch.device) -> int:
-    """Free memory of ``device`` in bytes (CUDA: free device memory; CPU: MemAvailable)."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 1 << 62
-
-
-def _loadavg() -> list[float] | None:
-    """1/5/15-minute load averages of the host (other processes compete for the CPU)."""
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except (AttributeError, OSError):
-        return None
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def timed(
     fn: Callable[[int], object], batch: int, device: torch.device, min_time: float, max_repeats: int
 ):
@@ -106,14 +80,7 @@ def timed(
     the full batch on CUDA (compilation, kernel selection), at most ``CPU_WARMUP`` tokens on CPU
     (first-call allocations only; a full-size CPU warm-up would double the run time)."""
     fn(batch if device.type == "cuda" else min(batch, CPU_WARMUP))
-    sync(device)
-    times: list[float] = []
-    result = None
-    while not times or (sum(times) < min_time and len(times) < max_repeats):
-        start = time.perf_counter()
-        result = fn(batch)
-        sync(device)
-        times.append(time.perf_counter() - start)
+    times, result = timed_calls(lambda: fn(batch), device, min_time=min_time, max_calls=max_repeats)
     return statistics.median(times), len(times), result
 
 
@@ -241,7 +208,7 @@ def bench_privatizer(args, device: torch.device, vocab: int, dim: int, log) -> l
     start = time.perf_counter()
     table = EmbeddingTable.build(synthetic_table(vocab, dim, args.seed, device), vocab)
     mech = token_mechanism("trlap_corrected", table, args.epsilon, args.delta)
-    sync(device)
+    synchronize(device)
     build_s = time.perf_counter() - start
     gen = torch.Generator(device=device).manual_seed(args.seed + 2)
     n_max = max(args.batches)
@@ -253,7 +220,7 @@ def bench_privatizer(args, device: torch.device, vocab: int, dim: int, log) -> l
                 continue
             start = time.perf_counter()
             priv = TokenPrivatizer(table, mech, fast_dtype=DTYPES[dtype_name], fast_pass=fast_pass, select=select)
-            sync(device)
+            synchronize(device)
             index_s = time.perf_counter() - start
             for batch in args.batches:
                 row = {**base, "dtype": dtype_name, "batch": batch, "pass": pass_name}
@@ -288,27 +255,6 @@ def bench_privatizer(args, device: torch.device, vocab: int, dim: int, log) -> l
     return rows_out
 
 
-def environment(device: torch.device) -> dict:
-    info = {
-        "device": device_label(device),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "threads": torch.get_num_threads(),
-        "cpu": platform.processor() or platform.machine(),
-    }
-    try:
-        import triton
-
-        info["triton"] = triton.__version__
-    except ImportError:
-        info["triton"] = "not installed"
-    if device.type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(device)
-        info["cuda"] = torch.version.cuda
-        info["tf32_matmul"] = torch.backends.cuda.matmul.allow_tf32
-    return info
-
-
 def _cell(value) -> str:
     if value is None:
         return "-"
@@ -329,7 +275,7 @@ def render_markdown(results: dict) -> str:
         f"Command: `{meta['command']}`",
         "",
         f"torch {meta['env']['torch']}, triton {meta['env']['triton']}, "
-        f"python {meta['env']['python']}, {meta['env']['threads']} threads"
+        f"python {meta['env']['python']}, {meta['env']['torch_threads']} threads"
         + (
             f", GPU {meta['env']['gpu']} (CUDA {meta['env']['cuda']})"
             if "gpu" in meta["env"]
@@ -392,26 +338,17 @@ def render_markdown(results: dict) -> str:
     return "\n".join(lines)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="vllm-dp bench prompt-speed",
-        description="Privatized-token throughput: nearest-candidate step and TokenPrivatizer.",
-    )
-    p.add_argument(
-        "--device",
-        default="cuda" if torch.cuda.is_available() else "cpu",
-        help="cpu or cuda[:i] (default: cuda when available)",
-    )
-    p.add_argument(
-        "--out", type=Path, default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})"
-    )
-    p.add_argument("--quick", action="store_true", help="toy sizes (seconds; for tests)")
+def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p = parser
+    add_device_arg(p, default_device(), "cpu or cuda[:i] (default: cuda when available)")
+    add_out_arg(p)
+    add_quick_arg(p, "toy sizes (seconds; for tests)")
     p.add_argument(
         "--tables",
         type=_tables,
         help="VxD list (default 30000x384,128000x4096; quick 2000x64,3000x128)",
     )
-    p.add_argument("--batches", type=_ints, help="tokens per call (default 512,4096; quick 32,128)")
+    p.add_argument("--batches", type=ints, help="tokens per call (default 512,4096; quick 32,128)")
     p.add_argument("--dtypes", default="fp32,bf16", help="fast-pass row dtypes (default fp32,bf16)")
     p.add_argument("--parts", default="nearest,privatizer", help="comma list of nearest,privatizer")
     p.add_argument(
@@ -437,14 +374,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--delta", type=float, default=1e-6, help="privatizer per-token delta (default 1e-6)"
     )
     p.add_argument("--seed", type=int, default=0, help="table/query seed (default 0)")
-    p.add_argument("--date", default="", help="date stamp of the result files (default today)")
+    add_date_arg(p)
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     return p
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+def build_parser(prog: str = "vllm-dp bench prompt-speed") -> argparse.ArgumentParser:
+    return add_cli_args(argparse.ArgumentParser(
+        prog=prog,
+        description="Privatized-token throughput: nearest-candidate step and TokenPrivatizer.",
+    ))
+
+
+def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
+    """``args``: parsed options (``add_cli_args``) or an argv list (``vllm-dp bench prompt-speed ...``)."""
+    args, argv = parse(args, build_parser)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda but torch sees no CUDA device")
@@ -461,11 +405,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.max_macs = CPU_MAX_MACS if device.type == "cpu" else float("inf")
     if args.min_time is None:
         args.min_time = 0.0 if args.quick else 1.0
-    args.date = args.date or datetime.date.today().isoformat()
+    args.date = today(args.date)
     args.reference = {}
-    log = (lambda msg: None) if args.quiet else (lambda msg: print(msg, flush=True))
+    log = logger(not args.quiet)
 
-    load_start = _loadavg()
+    load_start = loadavg()
     start = time.perf_counter()
     results: dict = {"nearest": [], "privatizer": []}
     for vocab, dim in args.tables:
@@ -481,7 +425,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     results["meta"] = {
         "device": label,
         "date": args.date,
-        "command": "python -m vllm_dp_plugin.benchmarks.prompt_speed " + " ".join(argv),
+        "command": " ".join(["python -m vllm_dp_plugin.benchmarks.prompt_speed", *(argv or [])]),
         "env": environment(device),
         "seed": args.seed,
         "query_noise": args.query_noise,
@@ -492,12 +436,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "max_macs": args.max_macs if args.max_macs != float("inf") else None,
         "wall_s": time.perf_counter() - start,
         "loadavg_start": load_start,
-        "loadavg_end": _loadavg(),
+        "loadavg_end": loadavg(),
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"prompt-speed-{label}-{args.date}"
-    Path(f"{stem}.json").write_text(json.dumps(results, indent=2) + "\n")
-    Path(f"{stem}.md").write_text(render_markdown(results))
+    stem = Path(args.out) / f"prompt-speed-{label}-{args.date}"
+    write_json(suffixed(stem, ".json"), results, indent=2, newline=True)
+    write_text(suffixed(stem, ".md"), render_markdown(results))
     log(f"wrote {stem}.md and .json")
     return 0
 

@@ -17,17 +17,17 @@ Writes ``prompt-ttft-<device>-<date>.{md,json}`` into ``--out``.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
 import platform
 import statistics
-import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from vllm_dp_plugin.benchmarks.serve import DEFAULT_OUT, config_env, served_latency
+from vllm_dp_plugin.benchmarks.lib.cli import add_out_arg, add_quick_arg, command_line, parse, today
+from vllm_dp_plugin.benchmarks.lib.environment import device_label
+from vllm_dp_plugin.benchmarks.lib.report import suffixed, write_json, write_text
+from vllm_dp_plugin.benchmarks.lib.vllm import config_env, served_latency
 
 TARGET_OVERHEAD = 0.10  # (prompt TTFT / stock TTFT) - 1, CPU, demo model, 512-token prompts
 # --shape wide: the demo vocabulary with a body whose parameters per token dwarf the vocabulary
@@ -93,26 +93,30 @@ def markdown(args: argparse.Namespace, summ: dict, meta: dict) -> str:
     ])
 
 
-def build_parser(prog: str = "vllm-dp bench prompt-ttft") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p = parser
     p.add_argument("--model", default=None,
                    help="model dir (default .demo/llama, or .demo/llama-<shape>; built if missing)")
     p.add_argument("--shape", choices=sorted(SHAPES), default="demo",
                    help="geometry of a demo Llama built when --model is missing (wide: 8 layers of 512)")
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    add_out_arg(p)
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=4)
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--repeats", type=int, default=2, help="runs per config, interleaved; median reported")
     p.add_argument("--mechanism", default="trlap_corrected")
     p.add_argument("--epsilon", type=float, default=10.0, help="per-token epsilon")
-    p.add_argument("--quick", action="store_true", help="smoke run: 64-token prompts, 4 prompts, 1 run")
+    add_quick_arg(p, "smoke run: 64-token prompts, 4 prompts, 1 run")
     return p
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+def build_parser(prog: str = "vllm-dp bench prompt-ttft") -> argparse.ArgumentParser:
+    return add_cli_args(argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0]))
+
+
+def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
+    """``args``: parsed options (``add_cli_args``) or an argv list (``vllm-dp bench prompt-ttft ...``)."""
+    args, argv = parse(args, build_parser)
     if args.quick:
         args.input_len, args.num_prompts, args.repeats = 64, 4, 1
     if args.model is None:
@@ -124,17 +128,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="vllm-dp-bench-ttft-"))
     rows = measure(args, work)
     summ = summary(rows)
-    date = datetime.date.today().isoformat()
-    meta = {"date": date, "device": f"cpu-{os.cpu_count()}core", "platform": platform.platform(),
-            "command": "vllm-dp bench prompt-ttft " + " ".join(argv), "work_dir": str(work)}
-    args.out.mkdir(parents=True, exist_ok=True)
+    date = today()
+    meta = {"date": date, "device": device_label("cpu"), "platform": platform.platform(),
+            "command": command_line("vllm-dp bench prompt-ttft", argv, quote=False), "work_dir": str(work)}
     shape = "" if args.shape == "demo" else f"{args.shape}-"
-    stem = args.out / f"prompt-ttft-{shape}{meta['device']}-{date}"
-    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "settings": {
+    stem = Path(args.out) / f"prompt-ttft-{shape}{meta['device']}-{date}"
+    write_json(suffixed(stem, ".json"), {"meta": meta, "settings": {
         k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "runs": rows, "summary": summ},
-        indent=1))
-    stem.with_suffix(".md").write_text(markdown(args, summ, meta))
-    print(stem.with_suffix(".md").read_text())
+        indent=1)
+    write_text(suffixed(stem, ".md"), markdown(args, summ, meta))
+    print(suffixed(stem, ".md").read_text())
     return 0
 
 

@@ -22,26 +22,38 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
-import os
 import platform
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-DEFAULT_OUT = Path("benchmarks/results")
-ENGINE_FLAGS = ["--dtype", "float32", "--block-size", "32", "--enforce-eager",
-                "--gpu-memory-utilization", "0.25", "--max-model-len", "4096", "--seed", "0"]
+from vllm_dp_plugin.benchmarks.lib.cli import (
+    add_out_arg,
+    add_quick_arg,
+    command_line,
+    parse,
+    today,
+)
+from vllm_dp_plugin.benchmarks.lib.environment import device_label
+from vllm_dp_plugin.benchmarks.lib.report import (
+    pyplot,
+    save_figure,
+    suffixed,
+    write_json,
+    write_text,
+)
+from vllm_dp_plugin.benchmarks.lib.vllm import (
+    ENGINE_FLAGS,
+    LAUNCH,
+    config_env,
+    run_logged,
+    served_latency,
+)
+
 TARGETS = {"plugin_off_vs_stock": 0.97, "dp_state_decode_vs_stock": 0.8, "dp_state_prefix": 2048}
-LAUNCH = [sys.executable, "-m", "vllm_dp_plugin.serving.launch"]  # `vllm ...` with the cpu shim
 
 
 @dataclass(frozen=True)
@@ -59,7 +71,7 @@ class Settings:
     epsilon: float = 8.0
     degree: int | None = 2  # Taylor degree of dp_state (None: the kernel_error rule)
     repeats: int = 1  # runs per row, interleaved across configs; the median is reported
-    steady_rounds: int = 3  # steady-state rounds per engine (benchmarks/steady.py); 0: skip
+    steady_rounds: int = 3  # steady-state rounds per engine (benchmarks.steady); 0: skip
 
 
 @dataclass
@@ -89,7 +101,7 @@ def median_rows(runs: list[ThroughputRow]) -> list[ThroughputRow]:
 
 @dataclass
 class SteadyRow:
-    """Best of ``rounds`` identical batches in one engine (``benchmarks/steady.py``)."""
+    """Best of ``rounds`` identical batches in one engine (``vllm_dp_plugin.benchmarks.steady``)."""
 
     config: str
     prefix_len: int
@@ -138,15 +150,6 @@ def kernel_errors(s: Settings, calibration: Path) -> list[float]:
     return [plan.kernel_error(i) for i in range(layers)]
 
 
-def config_env(config: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"}
-    if config == "stock":
-        env["VLLM_PLUGINS"] = ""
-    elif config.startswith("dp_"):
-        env["VLLM_PLUGINS"] = "dp_privacy"
-    return env
-
-
 def config_flags(config: str, prefix_len: int, work: Path, s: Settings) -> list[str]:
     """Engine flags of one row: the private context for DP rows, nothing extra otherwise."""
     if not config.startswith("dp_"):
@@ -175,7 +178,7 @@ def throughput_row(config: str, prefix_len: int, s: Settings, work: Path) -> Thr
     cmd = [*LAUNCH, "bench", "throughput", "--model", s.model, *ENGINE_FLAGS,
            "--num-prompts", str(s.num_prompts), "--output-json", str(result),
            *dataset_flags(config, prefix_len, s, "throughput"), *config_flags(config, prefix_len, work, s)]
-    _run(cmd, config_env(config), work / f"throughput-{config}-{prefix_len}.log")
+    run_logged(cmd, config_env(config), work / f"throughput-{config}-{prefix_len}.log")
     data = json.loads(result.read_text())
     elapsed = data["elapsed_time"]
     return ThroughputRow(config, prefix_len, data["requests_per_second"],
@@ -202,7 +205,7 @@ def steady_row(config: str, prefix_len: int, s: Settings, work: Path) -> SteadyR
     job = {"llm": llm, "prefix_ids": prefix, "suffix_len": s.suffix_len, "output_len": s.output_len,
            "num_prompts": s.num_prompts, "rounds": s.steady_rounds, "seed": 0, "vocab_size": len(tokenizer)}
     log = work / f"steady-{config}-{prefix_len}.log"
-    _run([sys.executable, "-m", "vllm_dp_plugin.benchmarks.steady", json.dumps(job)], config_env(config), log)
+    run_logged([sys.executable, "-m", "vllm_dp_plugin.benchmarks.steady", json.dumps(job)], config_env(config), log)
     (line,) = [x for x in log.read_text().splitlines() if x.startswith("RESULT ")]
     rounds = json.loads(line[len("RESULT "):])
     best = min(rounds, key=lambda r: r["wall_s"])
@@ -211,72 +214,12 @@ def steady_row(config: str, prefix_len: int, s: Settings, work: Path) -> SteadyR
                      tuple(r["wall_s"] for r in rounds))
 
 
-def _run(cmd: list[str], env: dict, log: Path, timeout: int = 1800) -> None:
-    with log.open("w") as handle:
-        proc = subprocess.run(cmd, env=env, stdout=handle, stderr=subprocess.STDOUT, timeout=timeout,
-                              check=False)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd[:6])} ... failed ({proc.returncode}); see {log}:\n"
-                           + log.read_text()[-3000:])
-
-
 # --------------------------------------------------------------------------- latency
 def latency_rows(config: str, prefix_len: int, s: Settings, work: Path) -> list[dict]:
     """Start ``vllm serve`` for one config, run ``vllm bench serve`` at each concurrency."""
     return served_latency(config, s.model, config_flags(config, prefix_len, work, s), config_env(config),
                           dataset_flags(config, prefix_len, s, "serve"), s.concurrencies, s.serve_prompts,
                           work, {"prefix_len": prefix_len})
-
-
-LATENCY_KEYS = ("mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms",
-                "p99_tpot_ms", "request_throughput", "output_throughput")
-
-
-def served_latency(label: str, model: str, server_flags: list[str], env: dict, dataset: list[str],
-                   concurrencies: Sequence[int], num_prompts: int, work: Path, extra: dict) -> list[dict]:
-    """``vllm serve model *server_flags`` (env ``env``), then ``vllm bench serve`` on
-    ``/v1/completions`` with ``dataset`` flags at each concurrency; one row per concurrency:
-    ``{"config": label, **extra, "concurrency": c, <LATENCY_KEYS> (ms, req/s, tok/s)}``."""
-    port = _free_port()
-    log = work / f"serve-{label}.log"
-    cmd = [*LAUNCH, "serve", model, "--host", "127.0.0.1", "--port", str(port), *ENGINE_FLAGS, *server_flags]
-    with log.open("w") as handle:
-        server = subprocess.Popen(cmd, env=env, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        _wait_healthy(f"http://127.0.0.1:{port}", server, log)
-        rows = []
-        for concurrency in concurrencies:
-            name = f"latency-{label}-c{concurrency}.json"
-            bench = [*LAUNCH, "bench", "serve", "--backend", "openai", "--endpoint", "/v1/completions",
-                     "--base-url", f"http://127.0.0.1:{port}", "--model", model,
-                     "--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency),
-                     "--save-result", "--result-dir", str(work), "--result-filename", name, *dataset]
-            _run(bench, env, work / f"{name}.log")
-            data = json.loads((work / name).read_text())
-            rows.append({"config": label, **extra, "concurrency": concurrency, **{k: data[k] for k in LATENCY_KEYS}})
-        return rows
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait(timeout=120)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _wait_healthy(base: str, server: subprocess.Popen, log: Path, timeout: float = 600) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError(f"server exited; see {log}:\n{log.read_text()[-3000:]}")
-        try:
-            urllib.request.urlopen(base + "/health", timeout=2)
-            return
-        except OSError:
-            time.sleep(2)
-    raise RuntimeError(f"server not healthy after {timeout} s; see {log}")
 
 
 # --------------------------------------------------------------------------- report
@@ -333,7 +276,7 @@ def markdown(s: Settings, rows: list[ThroughputRow], steady: list[SteadyRow], la
     lines += ["", "Targets (`vllm bench throughput`):", "", *[f"- {v}" for v in verdicts(ratios(rows))]]
     if steady:
         steady_rel = {(r["config"], r["prefix_len"]): r for r in ratios(steady)}
-        lines += ["", f"## Steady state: best of {s.steady_rounds} rounds in one engine (`benchmarks/steady.py`)", "",
+        lines += ["", f"## Steady state: best of {s.steady_rounds} rounds in one engine (`vllm_dp_plugin.benchmarks.steady`)", "",
                   ("Same workload, one engine per row, the batch generated once to warm up then "
                    f"{s.steady_rounds} times; the best round is reported (this VM's CPU steal, 10-50% "
                    "at times, inflates single runs), with process CPU seconds per request (steal is "
@@ -359,11 +302,7 @@ def markdown(s: Settings, rows: list[ThroughputRow], steady: list[SteadyRow], la
 
 def plot(panels: dict[str, list], path: Path) -> None:
     """Output tokens/s relative to stock, one group of bars per P, one panel per measurement."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     panels = {title: ratios(rows) for title, rows in panels.items() if rows}
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 3.5), squeeze=False)
     for ax, (title, rel) in zip(axes[0], panels.items(), strict=True):
@@ -382,8 +321,7 @@ def plot(panels: dict[str, list], path: Path) -> None:
         ax.set_ylabel("output tokens/s vs stock")
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
 
 
 # --------------------------------------------------------------------------- main
@@ -417,26 +355,26 @@ def run(s: Settings, argv: Sequence[str]) -> dict:
         p = max(s.prefix_lens)
         for config in tqdm(("stock", "dp_state"), desc="bench serve", unit="server"):
             latency += latency_rows(config, p, s, work)
-    date = datetime.date.today().isoformat()
-    meta = {"date": date, "device": f"cpu-{os.cpu_count()}core", "platform": platform.platform(),
-            "command": "vllm-dp bench serve " + " ".join(argv), "work_dir": str(work),
+    date = today()
+    meta = {"date": date, "device": device_label("cpu"), "platform": platform.platform(),
+            "command": command_line("vllm-dp bench serve", argv, quote=False), "work_dir": str(work),
             "dp_state_kernel_error": kernel_errors(s, work / "calibration.json")
             if "dp_state" in s.configs else None}
     stem = s.out / f"serve-cpu-{date}"
     result = {"meta": meta, "settings": {**asdict(s), "out": str(s.out)}, "throughput": [asdict(r) for r in rows],
               "relative": ratios(rows), "steady": [asdict(r) for r in steady], "steady_relative": ratios(steady),
               "latency": latency, "verdicts": verdicts(ratios(rows)), "steady_verdicts": verdicts(ratios(steady))}
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
-    stem.with_suffix(".md").write_text(markdown(s, rows, steady, latency, meta))
-    plot({"vllm bench throughput": rows, f"steady state (best of {s.steady_rounds})": steady}, stem.with_suffix(".png"))
-    print(stem.with_suffix(".md").read_text())
+    write_json(suffixed(stem, ".json"), result, indent=1)
+    write_text(suffixed(stem, ".md"), markdown(s, rows, steady, latency, meta))
+    plot({"vllm bench throughput": rows, f"steady state (best of {s.steady_rounds})": steady}, suffixed(stem, ".png"))
+    print(suffixed(stem, ".md").read_text())
     return result
 
 
-def build_parser(prog: str = "vllm-dp bench serve") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p = parser
     p.add_argument("--model", default=".demo/llama", help="model dir (demo Llama built if missing)")
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    add_out_arg(p)
     p.add_argument("--prefix-lens", type=int, nargs="+", default=[512, 2048])
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--output-len", type=int, default=64)
@@ -446,13 +384,17 @@ def build_parser(prog: str = "vllm-dp bench serve") -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=1, help="runs per row, interleaved; median reported")
     p.add_argument("--steady-rounds", type=int, default=3, help="rounds per steady-state engine (0: skip)")
     p.add_argument("--no-latency", action="store_true", help="skip the vllm bench serve part")
-    p.add_argument("--quick", action="store_true", help="smoke run: P=64, 4 prompts, no latency")
+    add_quick_arg(p, "smoke run: P=64, 4 prompts, no latency")
     return p
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+def build_parser(prog: str = "vllm-dp bench serve") -> argparse.ArgumentParser:
+    return add_cli_args(argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0]))
+
+
+def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
+    """``args``: parsed options (``add_cli_args``) or an argv list (``vllm-dp bench serve ...``)."""
+    args, argv = parse(args, build_parser)
     degree = None if args.degree == "auto" else int(args.degree)
     s = Settings(model=args.model, out=args.out, prefix_lens=tuple(args.prefix_lens),
                  num_prompts=args.num_prompts, output_len=args.output_len, configs=tuple(args.configs),
@@ -461,7 +403,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.quick:
         s = Settings(model=args.model, out=args.out, prefix_lens=(64,), suffix_len=16, output_len=8,
                      num_prompts=4, configs=tuple(args.configs), latency=False, steady_rounds=1)
-    run(s, argv)
+    run(s, argv or [])
     return 0
 
 

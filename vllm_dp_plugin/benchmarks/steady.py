@@ -7,15 +7,18 @@ tokens with ``ignore_eos``) once to warm up (and release the private context), t
 times, and prints every round's wall and process CPU seconds as one ``RESULT {json}`` line.
 
 Run as ``python -m vllm_dp_plugin.benchmarks.steady JOB_JSON`` (CPU vLLM spawns workers:
-hence the ``__main__`` guard); ``benchmarks/serve.py`` drives it.
+hence the ``__main__`` guard); ``vllm-dp bench serve`` (``benchmarks.serve``) drives it.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
-import sys
 import time
+from collections.abc import Sequence
+
+from vllm_dp_plugin.benchmarks.lib.cli import parse
 
 
 def prompts(job: dict) -> list[dict]:
@@ -42,16 +45,34 @@ def timed_rounds(llm, batch: list[dict], output_len: int, rounds: int) -> list[d
     return out
 
 
-def main(job: dict) -> None:
+def run(job: dict) -> list[dict]:
+    """Start the engine of ``job["llm"]`` in this process and time its rounds."""
     import os
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process: CPU time counts
     from vllm import LLM
 
     llm = LLM(**job["llm"])
-    rounds = timed_rounds(llm, prompts(job), job["output_len"], job["rounds"])
-    print("RESULT " + json.dumps(rounds), flush=True)
+    return timed_rounds(llm, prompts(job), job["output_len"], job["rounds"])
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("job", type=json.loads, metavar="JOB_JSON",
+                        help="llm (vllm.LLM keyword arguments), prefix_ids, suffix_len, output_len, "
+                             "num_prompts, rounds, seed, vocab_size")
+    return parser
+
+
+def build_parser(prog: str = "python -m vllm_dp_plugin.benchmarks.steady") -> argparse.ArgumentParser:
+    return add_cli_args(argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0]))
+
+
+def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
+    """Prints every round as one ``RESULT [{"wall_s", "cpu_s"}, ...]`` line."""
+    args, _ = parse(args, build_parser)
+    print("RESULT " + json.dumps(run(args.job)), flush=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main(json.loads(sys.argv[1]))
+    raise SystemExit(main())

