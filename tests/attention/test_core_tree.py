@@ -30,7 +30,7 @@ def test_tree_modes_answer_gqa_queries_and_account_within_budget(mode, paper):
     assert torch.equal(out, att.query(q))
     spent = att.account.per_head
     assert spent.name.startswith("dptree") and spent.epsilon <= 1.0 and spent.delta <= 2e-6
-    assert att._chunks == [] and att._state is None
+    assert att._builder is None
 
 
 def test_tree_and_reference_modes_release_the_same_mechanism():
@@ -50,4 +50,4 @@ def test_tree_memory_cap_refuses_before_drawing_noise():
         att.build(k, v)
     with pytest.raises(RuntimeError, match="after finalize"):
         _ = att.account
-    assert att.rows == 21 and len(att._chunks) == 1  # nothing half-applied: the context is kept
+    assert att.rows == 21 and len(att._builder.chunks) == 1  # nothing half-applied: the context is kept

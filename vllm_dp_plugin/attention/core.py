@@ -4,6 +4,10 @@ Privacy contract (spec 2): ``add``/``build`` are the only methods that see exact
 mapped features only until ``finalize``, which draws the noise once (from the caller's
 generator: keyed noise in serving) and drops everything exact. Every answer afterwards is
 post-processing of the release, so repeated and adaptive queries spend nothing.
+
+How the release is built and read is the mode's (``params.mode``, looked up once in the
+``modes.RELEASE_MODES`` registry: ``state``, ``tree``, ``reference``); this class does the rest
+the same way for every mode.
 """
 
 from __future__ import annotations
@@ -15,19 +19,15 @@ import torch
 
 from ..privacy.keyed_noise import fresh_generator
 from ..privacy.mechanisms import Mechanism
-from .accounting import (
-    AttentionAccount,
-    StateSensitivity,
-    head_budget,
-    state_mechanism,
-    tree_mechanism,
-)
-from .budget import TreeBudget, tree_budget
+from .accounting import AttentionAccount, StateSensitivity, head_budget
+from .budget import TreeBudget
+from .budget import tree_budget as budget_cascade
 from .features import FeatureMap, RandomFeatures, TaylorFeatures, taylor_degree, taylor_kernel_error
 from .mapping import HeadMapping, assert_same_heads
 from .merge import AttentionPart, private_part
+from .modes import QueryPath, Release, ReleaseBuilder, release_mode
 from .params import DPAttentionParams
-from .state import HeadGenerators, KernelStateBuilder, NoisyKernelState
+from .state import HeadGenerators
 from .tree import TreeRelease
 from .tree_spec import TreeSpec, make_tree_spec
 
@@ -67,10 +67,6 @@ def make_feature_map(params: DPAttentionParams, mapping: HeadMapping, head_dim: 
     return TaylorFeatures(head_dim, degree, mapping.beta)
 
 
-TENSOR_POWER_DEGREE = 2  # state-mode Taylor queries up to this degree: one broadcast product,
-# no gathers (E = 1 + d + d^2 columns vs r = binom(d + 2, 2); gathers cost more on CPU and GPU)
-
-
 class DPCrossAttention:
     """DP attention of all heads of one layer over one private context.
 
@@ -100,11 +96,11 @@ class DPCrossAttention:
             raise ValueError(f"key_center must be [{num_kv_heads}, {head_dim}]")
         self.features = make_feature_map(params, mapping, head_dim)
         self.logit_bound = mapping.logit_bound(head_dim)
-        self._chunks: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._state: KernelStateBuilder | None = None  # state mode: created on K/V's device
+        self.mode = release_mode(params.mode)
+        self._builder: ReleaseBuilder | None = None  # the exact rows: created on K/V's device
         self.rows = 0
-        self._release = None
-        self._query_path = None  # (query feature map, release re-indexed for it), if not the plain one
+        self._release: Release | None = None
+        self._query_path: QueryPath | None = None  # (query features, release re-indexed for them)
         self._account: AttentionAccount | None = None
 
     # ------------------------------------------------------------------ build
@@ -123,12 +119,9 @@ class DPCrossAttention:
         pk = self.features(self.mapping.keys(k))  # [H, n_c, F]
         values = self.mapping.values(v)
         weights = torch.cat([values, torch.ones_like(values[..., :1])], dim=-1)  # [H, n_c, W]
-        if self.params.mode == "state":
-            if self._state is None:
-                self._state = KernelStateBuilder(self.kv_heads, self.features.dim, self.value_dim, pk.device)
-            self._state.add(pk, weights)
-        else:
-            self._chunks.append((pk, weights))
+        if self._builder is None:
+            self._builder = self.mode.builder(self, pk.device)
+        self._builder.add(pk, weights)
         self.rows += k.shape[1]
 
     def finalize(self, generator: HeadGenerators | None = None) -> DPCrossAttention:
@@ -141,19 +134,9 @@ class DPCrossAttention:
         if not isinstance(generator, torch.Generator) and len(generator) != self.kv_heads:
             raise ValueError(f"{len(generator)} generators for {self.kv_heads} KV heads")
         mechanism = self.planned_mechanism(self.rows)
-        if self.params.mode == "state":
-            self._release = self._state.release(mechanism, generator)
-            self._state = None
-            if isinstance(self.features, TaylorFeatures) and self.features.degree <= TENSOR_POWER_DEGREE:
-                expanded = self.features.expand_rows(self._release.state)  # post-processing
-                self._query_path = (self.features.tensor_powers, NoisyKernelState(expanded, self.rows))
-        else:
-            self._check_tree_memory(self.rows)
-            pk = torch.cat([c[0] for c in self._chunks], dim=1)
-            weights = torch.cat([c[1] for c in self._chunks], dim=1)
-            self._chunks.clear()
-            self._release = self._build_tree(pk, weights, generator)
-            del pk, weights
+        self._release = self._builder.release(mechanism, generator)  # a refusal keeps the rows
+        self._builder = None
+        self._query_path = self.mode.query_path(self, self._release)
         self._account = AttentionAccount(mechanism, self.kv_heads, self.params.composition)
         return self
 
@@ -164,9 +147,7 @@ class DPCrossAttention:
 
     def planned_mechanism(self, n: int) -> Mechanism:
         """The per-KV-head release a context of ``n`` rows gets (public: bounds, params, n)."""
-        if self.params.mode == "state":
-            return state_mechanism(self.params, self.budget_heads, self.state_sensitivity())
-        return tree_mechanism(self._tree_budget(n), float(self.tree_spec(n).sensitivity[0, 0, 0]))
+        return self.mode.mechanism(self, n)
 
     def state_sensitivity(self) -> StateSensitivity:
         """Replace-one sensitivities of the state from the public bounds (spec 9 D5)."""
@@ -182,7 +163,7 @@ class DPCrossAttention:
 
     def tree_spec(self, n: int) -> TreeSpec:
         """The public DPTree configuration for a context of ``n`` rows."""
-        budget = self._tree_budget(n)
+        budget = self.tree_budget(n)
         return make_tree_spec(
             self.features,
             self.mapping.key_bounds(self.head_dim),
@@ -194,39 +175,14 @@ class DPCrossAttention:
             n,
         )
 
-    def _tree_budget(self, n: int) -> TreeBudget:
+    def tree_budget(self, n: int) -> TreeBudget:
+        """The DPTree budget cascade of one KV head for a context of ``n`` rows."""
         head = head_budget(self.params, self.budget_heads)
-        return tree_budget(head, self.params.tree, self.features.dim, self.value_dim, n)
+        return budget_cascade(head, self.params.tree, self.features.dim, self.value_dim, n)
 
     def tree_table_bytes(self, n: int) -> int:
         """Bytes the tree mode's release (fp32 path-sum table) needs for ``n`` rows."""
         return TreeRelease.planned_nbytes(self.tree_spec(n), self.kv_heads)
-
-    def _check_tree_memory(self, n: int) -> None:
-        need = self.tree_table_bytes(n)
-        if need > self.params.memory_limit_bytes:
-            raise ValueError(
-                f"tree mode needs ~{need / 2**30:.2f} GiB for n={n}, r={self.features.dim} "
-                f"(> memory_limit_bytes={self.params.memory_limit_bytes / 2**30:.2f} GiB); use "
-                "mode='state', a lower degree, or raise the limit"
-            )
-
-    def _build_tree(self, pk: torch.Tensor, weights: torch.Tensor, generator: HeadGenerators):
-        if not isinstance(generator, torch.Generator):  # one generator per head: head by head
-            heads = [self._build_tree(pk[h : h + 1], weights[h : h + 1], g) for h, g in enumerate(generator)]
-            return TreeRelease.stack(heads) if self.params.mode == "tree" else _PerHead.stack(heads)
-        n = pk.shape[1]
-        spec = self.tree_spec(n)
-        if self.params.mode == "tree":
-            return TreeRelease.build(pk, weights, spec, generator)
-        from .reference import DPCrossAttentionReference, reference_arguments
-
-        arguments = reference_arguments(spec, self._tree_budget(n), self.params.tree, self.mapping.value_bound)
-        heads = [
-            DPCrossAttentionReference(pk[h], weights[h, :, :-1], **arguments, generator=generator)
-            for h in range(pk.shape[0])
-        ]
-        return _PerHead(heads)
 
     # ------------------------------------------------------------------ query
     def query_parts(self, q: torch.Tensor) -> PrivateAnswer:
@@ -235,7 +191,7 @@ class DPCrossAttention:
             raise RuntimeError("call build(K, V) or add(...) + finalize() before querying")
         assert_same_heads("Q", q, self.query_heads, self.head_dim)
         groups, m = self.query_heads // self.kv_heads, q.shape[1]
-        dtype = getattr(torch, self.params.query_dtype) if self.params.mode == "state" else torch.float64
+        dtype = self.mode.query_dtype(self)
         mapped = self.mapping.queries(q, dtype)  # [H_q, m, d]
         kv_head = torch.arange(self.query_heads) // groups
         features, release = self._query_path or (self.features, self._release)
@@ -276,21 +232,3 @@ class DPCrossAttention:
     @property
     def release_nbytes(self) -> int:
         return self._release.nbytes if self._release is not None else 0
-
-
-class _PerHead:
-    """Reference mode: one literal Alg. 1 object per KV head, answered head by head."""
-
-    def __init__(self, heads: list):
-        self.heads = heads
-
-    @staticmethod
-    def stack(parts: list[_PerHead]) -> _PerHead:
-        return _PerHead([head for part in parts for head in part.heads])
-
-    def answer(self, pq: torch.Tensor) -> torch.Tensor:
-        return torch.stack([head.answer(pq[h]) for h, head in enumerate(self.heads)])
-
-    @property
-    def nbytes(self) -> int:
-        return 0

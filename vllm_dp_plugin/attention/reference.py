@@ -18,7 +18,9 @@ Conventions (spec 5, 10.1):
 
 Classes: ``DPTree`` (Alg. 2), ``DPTreeDistance`` (Alg. 4/5), ``DPTreeHighDim`` (Alg. 6),
 ``DPTreeSoftmax`` (Alg. 3), ``DPTreeSoftmaxAdaptive`` (Alg. 7), ``DPCrossAttentionReference``
-(Alg. 1, one KV head).
+(Alg. 1, one KV head). ``ReferenceMode`` is the ``mode="reference"`` entry of the release-mode
+registry (``modes``): the tree mode's mechanism, built with one ``DPCrossAttentionReference`` per
+KV head (``PerHeadReference``).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
@@ -34,7 +36,11 @@ from ..privacy.keyed_noise import fresh_generator
 from ..privacy.mechanisms import Mechanism, truncated_laplace_mechanism
 from ..privacy.validation import check_delta, check_epsilon, check_positive
 from .budget import TreeBudget, TreeParams
+from .tree import TreeMode
 from .tree_spec import TreeSpec
+
+if TYPE_CHECKING:
+    from .modes import ReleaseContext
 
 RANGE_SLACK = 1e-9  # relative slack of the data-range check (feature maps round by a few ulps)
 
@@ -587,3 +593,41 @@ def reference_arguments(spec: TreeSpec, budget: TreeBudget, params: TreeParams, 
         "sw_hi": spec.sw_hi,
         "leaves": spec.leaves,
     }
+
+
+class PerHeadReference:
+    """The reference mode's release: one literal Alg. 1 object per KV head, answered head by head."""
+
+    def __init__(self, heads: list[DPCrossAttentionReference]) -> None:
+        self.heads = heads
+
+    @staticmethod
+    def stack(parts: Sequence[PerHeadReference]) -> PerHeadReference:
+        return PerHeadReference([head for part in parts for head in part.heads])
+
+    def answer(self, pq: torch.Tensor) -> torch.Tensor:
+        """``pq: [H, m, F]`` -> ``[H, m, W]`` float64."""
+        return torch.stack([head.answer(pq[h]) for h, head in enumerate(self.heads)])
+
+    @property
+    def nbytes(self) -> int:
+        return 0
+
+
+class ReferenceMode(TreeMode):
+    """``mode="reference"`` (``ReleaseMode``): the tree mode's spec, accounting and memory cap,
+    released by the literal oracle (one ``DPCrossAttentionReference`` per KV head)."""
+
+    def build(
+        self, layer: ReleaseContext, pk: torch.Tensor, weights: torch.Tensor, generator: torch.Generator
+    ) -> PerHeadReference:
+        n = pk.shape[1]
+        params, value_bound = layer.params.tree, layer.mapping.value_bound
+        arguments = reference_arguments(layer.tree_spec(n), layer.tree_budget(n), params, value_bound)
+        return PerHeadReference([
+            DPCrossAttentionReference(pk[h], weights[h, :, :-1], **arguments, generator=generator)
+            for h in range(pk.shape[0])
+        ])
+
+    def stack(self, releases: Sequence[PerHeadReference]) -> PerHeadReference:
+        return PerHeadReference.stack(releases)

@@ -3,18 +3,28 @@
 ``KernelStateBuilder`` accumulates the exact state chunk by chunk (chunked prefill) and is the
 only holder of exact private data; ``release`` adds the noise once and returns a
 ``NoisyKernelState`` that answers any number of queries with one contraction: post-processing.
+``StateMode`` is the ``mode="state"`` entry of the release-mode registry (``modes``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..privacy.mechanisms import Mechanism
+from .accounting import state_mechanism
+from .features import TaylorFeatures
+
+if TYPE_CHECKING:
+    from .modes import QueryPath, ReleaseContext
 
 HeadGenerators = torch.Generator | Sequence[torch.Generator]  # one for all heads, or one per head
+
+TENSOR_POWER_DEGREE = 2  # state-mode Taylor queries up to this degree: one broadcast product,
+# no gathers (E = 1 + d + d^2 columns vs r = binom(d + 2, 2); gathers cost more on CPU and GPU)
 
 
 @dataclass
@@ -72,3 +82,30 @@ class KernelStateBuilder:
         noisy = NoisyKernelState(self._state + noise, self.rows)
         self._state = None
         return noisy
+
+
+class StateMode:
+    """``mode="state"`` (``ReleaseMode``): the state accumulates chunk by chunk and is released
+    once; queries contract it in ``params.query_dtype`` (Taylor degree <= 2: through the
+    tensor-power expansion of the release, post-processing)."""
+
+    def query_dtype(self, layer: ReleaseContext) -> torch.dtype:
+        return getattr(torch, layer.params.query_dtype)
+
+    def mechanism(self, layer: ReleaseContext, n: int) -> Mechanism:
+        """Independent of ``n``: the sensitivity comes from the public bounds alone."""
+        return state_mechanism(layer.params, layer.budget_heads, layer.state_sensitivity())
+
+    def planned_nbytes(self, layer: ReleaseContext, n: int) -> int:
+        """The float64 state ``[H, F, W]`` (``NoisyKernelState.nbytes``)."""
+        return layer.kv_heads * layer.features.dim * (layer.value_dim + 1) * 8
+
+    def builder(self, layer: ReleaseContext, device: torch.device) -> KernelStateBuilder:
+        return KernelStateBuilder(layer.kv_heads, layer.features.dim, layer.value_dim, device)
+
+    def query_path(self, layer: ReleaseContext, release: NoisyKernelState) -> QueryPath | None:
+        features = layer.features
+        if isinstance(features, TaylorFeatures) and features.degree <= TENSOR_POWER_DEGREE:
+            expanded = features.expand_rows(release.state)  # post-processing
+            return features.tensor_powers, NoisyKernelState(expanded, release.rows)
+        return None

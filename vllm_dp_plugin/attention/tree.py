@@ -36,18 +36,28 @@ Memory / dtype decisions:
   ``8 H W C F 3 2N`` bytes: small sizes only).
 * Sampled noise is drawn level by level per F-chunk: same law as ``sample_tree_noise`` but not the
   same stream for a given generator state.
+
+``TreeMode`` is the ``mode="tree"`` entry of the release-mode registry (``modes``); the
+``reference`` mode reuses it with the literal per-head oracle as its ``build``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..kernels.tree_build import bin_index, leaf_histogram, plan_chunks
 from ..kernels.tree_query import gather_contract
 from ..privacy.noise import LaplaceNoise
+from .accounting import tree_mechanism
 from .tree_spec import TreeSpec
+
+if TYPE_CHECKING:
+    from ..privacy.mechanisms import Mechanism
+    from .modes import Release, ReleaseContext
+    from .state import HeadGenerators
 
 MOMENTS = 3
 DEFAULT_CHUNK_BYTES = 1 << 26
@@ -210,6 +220,69 @@ class TreeRelease:
         if not pq.is_floating_point() or not torch.isfinite(pq).all():
             raise ValueError("pq must be finite floating-point query features (NaN/inf found)")
         return pq.to(device=self.table.device, dtype=torch.float64)
+
+
+class TreeMode:
+    """``mode="tree"`` (``ReleaseMode``): the rows are collected until the release, which needs
+    all of them (``TreeRows``); one generator per KV head builds head by head and ``stack``s.
+    Queries run in float64 (the P_wx / Value cancellation, spec 10.3)."""
+
+    def query_dtype(self, layer: ReleaseContext) -> torch.dtype:
+        return torch.float64
+
+    def mechanism(self, layer: ReleaseContext, n: int) -> Mechanism:
+        return tree_mechanism(layer.tree_budget(n), float(layer.tree_spec(n).sensitivity[0, 0, 0]))
+
+    def planned_nbytes(self, layer: ReleaseContext, n: int) -> int:
+        """The fp32 path-sum table and its constants; ``params.memory_limit_bytes`` caps it."""
+        return TreeRelease.planned_nbytes(layer.tree_spec(n), layer.kv_heads)
+
+    def builder(self, layer: ReleaseContext, device: torch.device) -> TreeRows:
+        return TreeRows(self, layer)
+
+    def build(
+        self, layer: ReleaseContext, pk: torch.Tensor, weights: torch.Tensor, generator: torch.Generator
+    ) -> Release:
+        """All heads of ``pk: [H, n, F]``, ``weights: [H, n, W]`` from one generator."""
+        return TreeRelease.build(pk, weights, layer.tree_spec(pk.shape[1]), generator)
+
+    def stack(self, releases: Sequence[Release]) -> Release:
+        """One release of the heads of ``releases`` (built head by head), in order."""
+        return TreeRelease.stack(releases)
+
+    def query_path(self, layer: ReleaseContext, release: Release) -> None:
+        return None
+
+
+class TreeRows:
+    """``ReleaseBuilder`` of the tree modes: the mapped rows, kept until the release."""
+
+    def __init__(self, mode: TreeMode, layer: ReleaseContext) -> None:
+        self.mode, self.layer = mode, layer
+        self.chunks: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def add(self, pk: torch.Tensor, weights: torch.Tensor) -> None:
+        self.chunks.append((pk, weights))
+
+    def release(self, mechanism: Mechanism, generator: HeadGenerators) -> Release:
+        """Check the memory cap (nothing is dropped if it refuses), then build and drop the rows.
+        The noise comes from the tree spec (``mechanism`` is its ledger summary)."""
+        layer = self.layer
+        n = sum(pk.shape[1] for pk, _ in self.chunks)
+        need = self.mode.planned_nbytes(layer, n)
+        if need > layer.params.memory_limit_bytes:
+            raise ValueError(
+                f"tree mode needs ~{need / 2**30:.2f} GiB for n={n}, r={layer.features.dim} "
+                f"(> memory_limit_bytes={layer.params.memory_limit_bytes / 2**30:.2f} GiB); use "
+                "mode='state', a lower degree, or raise the limit"
+            )
+        pk = torch.cat([c[0] for c in self.chunks], dim=1)  # [H, n, F]
+        weights = torch.cat([c[1] for c in self.chunks], dim=1)  # [H, n, W]
+        self.chunks.clear()
+        if isinstance(generator, torch.Generator):
+            return self.mode.build(layer, pk, weights, generator)
+        heads = [self.mode.build(layer, pk[h : h + 1], weights[h : h + 1], g) for h, g in enumerate(generator)]
+        return self.mode.stack(heads)
 
 
 def _slicer(noise: torch.Tensor, device) -> NoiseSource:
