@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SAMPLING_RATE = 16000
-DECODER_PROMPT = "<|startoftranscript|><|en|><|transcribe|><|notimestamps|>"
 TASKS = ("translate", "transcribe")
 
 

@@ -25,6 +25,8 @@ from vllm_dp_plugin.prompt.session import (
     prompt_request,
     recover_user_texts,
     resolve_options,
+    segment_chat,
+    segment_completion,
     splice,
     split_rendered,
     token_segments,
@@ -207,6 +209,39 @@ def test_token_segments_follow_the_mask_runs():
     assert [s.cache_key["start"] for s in segments if s.private] == [1, 4]
     assert all(s.cache_key is None for s in token_segments([5], [True]))
 
+
+
+def test_segment_chat_is_the_chat_path_in_one_step():
+    messages = [{"role": "system", "content": "Be nice"}, {"role": "user", "content": " Hello Bob"}]
+    marked = mark_user_texts(messages, nonce="5")
+    template = f"[sys]Be nice[/sys][u]{marked.sentinels[0]}[/u][a]"
+    real = "[sys]Be nice[/sys][u]Hello Bob[/u][a]"  # the template strips user text
+    pieces = split_rendered(template, marked.sentinels)
+    steps = chat_segments(pieces, recover_user_texts(real, pieces, marked.texts), marked.cache_keys, encode)
+    assert segment_chat(marked, real, template, encode) == steps
+    assert splice(steps)[0] == encode(real)
+    count = len(encode(real))
+    assert segment_chat(marked, real, template, encode, max_tokens=count) == steps
+    with pytest.raises(ValueError, match=f"max_model_len\\) is {count - 1} tokens, but the chat has {count}"):
+        segment_chat(marked, real, template, encode, max_tokens=count - 1)
+    seen = []
+    kept = segment_chat(
+        marked, real, template, encode, truncation=lambda n: seen.append(n) or slice(-5, None), max_tokens=3
+    )
+    assert seen == [count] and splice(kept) == tuple(x[-5:] for x in splice(steps))
+    assert segment_chat(marked, real, template, encode, truncation=lambda n: None) == steps
+    with pytest.raises(ValueError, match="exactly once"):
+        segment_chat(marked, real, "[u][/u]", encode)
+
+
+def test_segment_completion_masks_specials_or_carries_the_tokenizer_mask():
+    bos, eos = 1, 2
+    segments = segment_completion([bos, 40, 41, eos, 42], frozenset({bos, eos}))
+    assert splice(segments) == ([bos, 40, 41, eos, 42], [False, True, True, False, True])
+    assert [s.cache_key["input"] for s in segments if s.private] == [[bos, 40, 41, eos, 42]] * 2
+    full, mask = [bos, 40, 41, 42, eos], [False, True, True, True, False]
+    assert splice(segment_completion(full[-3:], frozenset(), (full, mask)))[1] == [True, True, False]
+    assert segment_completion([5, 6], frozenset(), ([5, 6], [False, True])) == token_segments([5, 6], [False, True], [5, 6])
 
 # ------------------------------------------------------------------------- history cache
 

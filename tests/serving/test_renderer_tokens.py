@@ -8,8 +8,6 @@ truncation are applied before privatizing (``_privatize_chat``). ``added_special
 specials a tokenizer adds, put around a chat's privatized ids when the request asks for
 ``add_special_tokens``."""
 
-from collections import OrderedDict
-
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
@@ -18,6 +16,7 @@ from vllm.renderers.params import TokenizeParams
 from vllm.tokenizers.hf import get_cached_tokenizer
 
 from vllm_dp_plugin.config import PromptPrivacyConfig
+from vllm_dp_plugin.prompt.lru import LRU
 from vllm_dp_plugin.prompt.session import (
     PromptPrivacy,
     added_mask,
@@ -48,7 +47,7 @@ def renderer(template: str | None = None, side: str = "right") -> DPRenderer:
     special ids and a service over a random table of the toy vocabulary (laplace at eps = 1e6:
     the ids survive, the receipts count what was privatized)."""
     r = DPRenderer.__new__(DPRenderer)
-    r.tokenizer, r._special, r._around, r._recent = tokenizer(template, side), frozenset({0, 1, 2}), None, OrderedDict()
+    r.tokenizer, r._special, r._around, r._recent = tokenizer(template, side), frozenset({0, 1, 2}), None, LRU(8)
     table = EmbeddingTable.build(torch.randn(len(VOCAB), 4, generator=torch.Generator().manual_seed(0)), len(VOCAB), [0, 1, 2])
     r._prompt = PromptPrivacy(table, PromptPrivacyConfig(mechanism="laplace", epsilon=1e6, cache_history=False))
     return r

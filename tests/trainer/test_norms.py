@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call, grad, vmap
 
-from vllm_dp_plugin.trainer import (
+from vllm_dp_plugin.trainer.norm_rules import (
     bias_sq_norms,
     layernorm_sq_norms,
     linear_sq_norms,

@@ -3,6 +3,10 @@
 ``EmbeddingTable`` (public geometry and sensitivities), ``token_mechanism`` (calibrated per-token
 mechanisms with honest guarantees), ``CandidateIndex`` (nearest-candidate search) and
 ``TokenPrivatizer`` (masked prompt -> privatized ids or embeddings, plus a ``PrivacyReceipt``).
+
+Per request (``session``: ``PromptPrivacy``, re-exporting its parts): ``options``, ``request``,
+``segments`` (one pure segmentation step per prompt), ``history`` (the history cache),
+``receipts``; ``lru``: the bounded LRU map they and the serving renderer use.
 """
 
 from ..kernels.nearest_reference import fast_topk_torch

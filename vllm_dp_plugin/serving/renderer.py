@@ -11,7 +11,8 @@ would bypass the layout).
 
 Prompt privatization (``dp_privacy.prompt``): the user-authored tokens of every request are
 replaced by DP samples before anything downstream (scheduler, prefix cache, engine, logs) sees
-them; the logic lives in ``prompt.session``, this class only wires it into vLLM:
+them; the logic lives in ``prompt`` (``prompt.session``; one pure segmentation step per prompt,
+``prompt.segments.segment_chat`` / ``segment_completion``), this class only wires it into vLLM:
 
 * chat (``render_messages[_async]``): the template is rendered twice, with the user texts and
   with sentinels in their place, which locates the user segments exactly; template pieces and
@@ -44,26 +45,22 @@ import functools
 import hashlib
 import logging
 import os
-from collections import OrderedDict
 
 import torch
 from vllm.renderers.hf import HfRenderer
 
 from ..config import ConfigError
+from ..prompt.lru import LRU
 from ..prompt.session import (
     OPTION_CONTEXT,
     PrivatizedPrompt,
     PromptReceipt,
     added_mask,
     added_special_tokens,
-    chat_segments,
     current_request,
     mark_user_texts,
-    recover_user_texts,
-    split_rendered,
-    token_segments,
-    truncate_segments,
-    truncated_mask,
+    segment_chat,
+    segment_completion,
 )
 from .context import select_context
 from .prompt_table import build_prompt_privacy, receipt_log_line, special_token_ids
@@ -94,7 +91,7 @@ class DPRenderer(HfRenderer):
                 )
         self._prompt = None
         self._around: tuple[list[int], list[int]] | None = None  # added special ids, found lazily
-        self._recent: OrderedDict[str, dict] = OrderedDict()
+        self._recent: LRU[str, dict] = LRU(RECENT_RECEIPTS)
         if cfg.prompt is not None:
             self._start_prompt_privacy(config, cfg)
 
@@ -191,18 +188,14 @@ class DPRenderer(HfRenderer):
         limit, truncates = tok_params.max_input_tokens, tok_params.truncate_prompt_tokens is not None
         if limit is not None and not truncates:
             check_text_length(real["prompt"], limit, self.tokenizer.max_chars_per_token)
-        pieces = split_rendered(template["prompt"], marked.sentinels)
-        texts = recover_user_texts(real["prompt"], pieces, marked.texts)
-        segments = chat_segments(pieces, texts, marked.cache_keys, self._encode)
-        count = sum(len(segment.ids) for segment in segments)
-        keep = tok_params._truncation_slice(self.tokenizer, count)  # vLLM's truncate_prompt_tokens
-        if keep is not None:
-            segments = truncate_segments(segments, keep)
-        elif limit is not None and count > limit:
-            raise ValueError(
-                f"This model's maximum context length (max_model_len) is {limit} tokens, but the "
-                f"chat has {count} input tokens: shorten the messages or set truncate_prompt_tokens"
-            )
+        segments = segment_chat(  # locate, tokenise, truncate (vLLM's truncate_prompt_tokens)
+            marked,
+            real["prompt"],
+            template["prompt"],
+            self._encode,
+            truncation=lambda count: tok_params._truncation_slice(self.tokenizer, count),
+            max_tokens=limit,
+        )
         return self._prompt.privatize(segments, options)
 
     def _chat_prompt(self, done: PrivatizedPrompt, request, slot) -> dict:
@@ -249,16 +242,13 @@ class DPRenderer(HfRenderer):
             )
         ids = list(prompt["prompt_token_ids"])
         full = prompt.pop(FULL_MARK, None)
-        if full is not None:
-            side = getattr(tok_params, "truncation_side", None) or getattr(self.tokenizer, "truncation_side", None)
-            mask = truncated_mask(full[0], full[1], ids, side)
-        else:
-            mask = [t not in self._special for t in ids]
+        side = getattr(tok_params, "truncation_side", None) or getattr(self.tokenizer, "truncation_side", None)
+        segments = segment_completion(ids, self._special, full, side)
         prompt.pop("prompt", None)  # the raw text must not travel on
         prompt.pop("prompt_token_offsets", None)
         detokenize = bool(getattr(tok_params, "needs_detokenization", False))  # echo
         request, slot, options = self._begin()
-        job = functools.partial(self._complete_cmpl, prompt, ids, mask, options, request, slot, detokenize)
+        job = functools.partial(self._complete_cmpl, prompt, segments, options, request, slot, detokenize)
         return job if asynchronous else job()
 
     def _add_special_tokens(self, prompt) -> None:
@@ -282,8 +272,8 @@ class DPRenderer(HfRenderer):
             self._around = added_special_tokens(self.tokenizer, self._special)
         return self._around
 
-    def _complete_cmpl(self, prompt, ids, mask, options, request, slot, detokenize) -> PromptReceipt:
-        done = self._prompt.privatize(token_segments(ids, mask, ids), options)
+    def _complete_cmpl(self, prompt, segments, options, request, slot, detokenize) -> PromptReceipt:
+        done = self._prompt.privatize(segments, options)
         self._record(done.receipt, request, slot)
         prompt.update(self._engine_prompt(done))
         if detokenize:  # the text of what the engine got, never the user's
@@ -318,16 +308,13 @@ class DPRenderer(HfRenderer):
         if receipt is not None:
             ids = engine_input.get("prompt_token_ids")
             if ids is not None:
-                self._recent[_ids_key(ids)] = receipt.to_json()
-                self._recent.move_to_end(_ids_key(ids))
-                while len(self._recent) > RECENT_RECEIPTS:
-                    self._recent.popitem(last=False)
+                self._recent.put(_ids_key(ids), receipt.to_json())
         return engine_input
 
     def prompt_receipt(self, prompt_token_ids) -> dict | None:
         """The receipt of the latest prompt the engine received as ``prompt_token_ids`` (e.g. a
         ``RequestOutput.prompt_token_ids`` of ``LLM``); None if unknown (or evicted)."""
-        return self._recent.get(_ids_key(prompt_token_ids))
+        return self._recent.peek(_ids_key(prompt_token_ids))
 
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)

@@ -11,7 +11,7 @@ from .engine import (
     warmup_linear_decay_scheduler,
 )
 from .metrics import RankingMetrics, evaluate_ranking
-from .norms import (
+from .norm_rules import (
     bias_sq_norms,
     layernorm_sq_norms,
     linear_sq_norms,

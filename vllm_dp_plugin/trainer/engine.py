@@ -8,11 +8,12 @@ capture each supported module's detached input and attached output), compute a p
 optimizer's ``step()`` (SGD = DP-SGD, Adam/AdamW = DP-Adam: post-processing of the noisy grad).
 
 ``backward`` takes ONE ``torch.autograd.grad`` of ``sum_i L_i`` w.r.t. the captured outputs (no
-parameter gradients), sums per-sample squared norms over all trainable parameters (``norms.py``;
-a weight tied between an ``nn.Embedding`` and an output ``nn.Linear`` by Phantom Clipping), clips
-(AUTO-S ``C / (n_i + gamma)`` or Abadi ``min(1, C / n_i)``) and adds the clipped sum into a
-private float32-or-wider accumulator. ``finish_step`` adds ``N(0, (sigma C)^2)`` noise once per
-parameter, divides by the expected batch size B and writes ``p.grad``.
+parameter gradients), sums per-sample squared norms over all trainable parameters (the rule of
+each module's type in ``norm_rules``; a weight tied between an ``nn.Embedding`` and an output
+``nn.Linear`` by Phantom Clipping), clips (AUTO-S ``C / (n_i + gamma)`` or Abadi
+``min(1, C / n_i)``) and adds the clipped sum into a private float32-or-wider accumulator.
+``finish_step`` adds ``N(0, (sigma C)^2)`` noise once per parameter, divides by the expected
+batch size B and writes ``p.grad``.
 
 Floating point: that float release ``clipped sum + fl(sigma C xi)`` is not DP as computed (its
 low-order bits depend on the clipped sum: Mironov 2012; Jin et al. 2022 for Opacus), and every
@@ -25,9 +26,10 @@ residual assumption of both modes: the computed clipped sums of neighbouring bat
 most C (true in exact arithmetic; float32 rounding of the norms and sums can exceed it by a
 relative O(batch x 1e-7), not accounted).
 
-Supported trainable modules: ``nn.Linear``, Hugging Face ``Conv1D`` (GPT-2), ``nn.Embedding``
-(``padding_idx`` rows get no gradient), ``nn.LayerNorm`` (last dim), RMSNorm (``torch.nn.RMSNorm``
-and classes named ``*RMSNorm`` with ``weight`` and ``variance_epsilon``/``eps``, e.g. Llama's).
+Supported trainable modules (one ``norm_rules`` module each, looked up by module type):
+``nn.Linear``, Hugging Face ``Conv1D`` (GPT-2), ``nn.Embedding`` (``padding_idx`` rows get no
+gradient), ``nn.LayerNorm`` (last dim), RMSNorm (``torch.nn.RMSNorm`` and classes named
+``*RMSNorm`` with ``weight`` and ``variance_epsilon``/``eps``, e.g. Llama's).
 Every hooked module's forward is checked once against the formula its norms assume. Each hooked
 module must be called at most once per forward, with the batch as its inputs' first dimension.
 Not detected (the caller's responsibility): a parameter used outside its module's forward (e.g.
@@ -46,7 +48,6 @@ gradients that the engine never produces (it replaces that reducer).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -59,7 +60,8 @@ from vllm_dp_plugin.privacy.keyed_noise import fresh_generator, seeded_generator
 from vllm_dp_plugin.privacy.noise import GridGaussian
 from vllm_dp_plugin.privacy.validation import check_count, check_positive
 
-from . import norms
+from .norm_rules import NormRule, ParamRole, find_rule, norm_dtype, supported_names
+from .norm_rules.embedding import tied_embedding_sq_norms
 
 Clipping = Literal["automatic", "flat"]
 NOISE_CHUNK = 1 << 24  # float64 noise is drawn in chunks of this many coordinates (128 MiB)
@@ -107,173 +109,11 @@ class DPConfig:
             raise ValueError(f"secure_mode must be True or False, got {self.secure_mode!r}")  # noqa: TRY004
 
 
-# ---------- supported module kinds: the forward each assumes, per-parameter norms and sums ----------
-# Shapes: x [B, T, d_in] (ids [B, T] for lookups), g [B, T, d_out] the gradient of sum_i L_i at
-# the module output, c [B] clip factors. Norms are [B]; sums have the parameter's shape, in the
-# float32-or-wider dtype of ``norms.norm_dtype``.
-
-
-@dataclass(frozen=True)
-class _Role:
-    """One parameter (attribute ``attr``) of a supported module."""
-
-    attr: str
-    sq_norms: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
-    clipped_sum: Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-@dataclass(frozen=True)
-class _Kind:
-    """A supported module type: ``reference(module, x)`` is the forward its norms assume,
-    ``probe(module)`` an input to check the module against it."""
-
-    name: str
-    matches: Callable[[nn.Module], bool]
-    reference: Callable[[nn.Module, torch.Tensor], torch.Tensor]
-    probe: Callable[[nn.Module], torch.Tensor]
-    roles: tuple[_Role, ...]
-    lookup: bool = False  # input is ids [B, ...] rather than features [B, ..., d]
-
-
-def _wide(*tensors: torch.Tensor) -> list[torch.Tensor]:
-    """The tensors in their common norm dtype (float32, or float64 if any is float64)."""
-    dtype = norms.norm_dtype(*tensors)
-    return [t.to(dtype) for t in tensors]
-
-
-def _outer_sum(left: torch.Tensor, right: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """``sum_b c_b left_b^T right_b``: ``[d_left, d_right]`` for ``left: [B, T, d_left]``,
-    ``right: [B, T, d_right]``. The factor scales the narrower operand, so no copy of a wide
-    output gradient (logits ``[B, T, V]``) is made beyond the float32 cast."""
-    left, right = _wide(left, right)
-    if left.shape[-1] <= right.shape[-1]:
-        left = left * c[:, None, None].to(left.dtype)
-    else:
-        right = right * c[:, None, None].to(right.dtype)
-    return left.flatten(0, 1).T @ right.flatten(0, 1)
-
-
-def _bias_sum(module: nn.Module, x: torch.Tensor, g: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """``sum_b c_b sum_t g_b,t``: ``[d_out]``."""
-    per_sample = g.sum(1, dtype=norms.norm_dtype(g))
-    return c.to(per_sample.dtype) @ per_sample
-
-
-def _bias_sq_norms(module: nn.Module, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    return norms.bias_sq_norms(g)
-
-
-def _linear_sq_norms(module: nn.Module, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    return norms.linear_sq_norms(x, g)
-
-
-def _features(module: nn.Module, dim: int) -> torch.Tensor:
-    """A ``[2, 3, dim]`` probe input in the module's dtype and device (fixed seed)."""
-    weight = next(module.parameters())
-    probe = torch.randn(2, 3, dim, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    return probe.to(device=weight.device, dtype=weight.dtype)
-
-
-def _layernorm_hat(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    (x,) = _wide(x)
-    return F.layer_norm(x, module.normalized_shape, eps=module.eps)
-
-
-def _rms_eps(module: nn.Module, x: torch.Tensor) -> float:
-    eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
-    return torch.finfo(x.dtype).eps if eps is None else float(eps)
-
-
-def _rms_hat(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    (x,) = _wide(x)
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + _rms_eps(module, x))
-
-
-def _scaled_sum(hat: Callable[[nn.Module, torch.Tensor], torch.Tensor]):
-    """Clipped sum of a norm layer's weight: ``sum_b c_b sum_t g_b,t * hat(x_b,t)``: ``[d]``."""
-
-    def clipped_sum(module: nn.Module, x: torch.Tensor, g: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-        h = hat(module, x)
-        return torch.einsum("b,btd->d", c.to(h.dtype), g.to(h.dtype) * h)
-
-    return clipped_sum
-
-
-def _lookup_sum(module: nn.Module, ids: torch.Tensor, g: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """``index_add`` of the c-weighted lookup gradients into ``[num_embeddings, d]``; padding_idx
-    rows get nothing."""
-    (g,) = _wide(g)
-    out = torch.zeros(module.weight.shape, dtype=g.dtype, device=g.device)
-    keep = ids != module.padding_idx if module.padding_idx is not None else torch.ones_like(ids, dtype=torch.bool)
-    out.index_add_(0, ids[keep], (g * c[:, None, None].to(g.dtype))[keep])
-    return out
-
-
-def _is_conv1d(module: nn.Module) -> bool:
-    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "weight")
-
-
-def _is_rmsnorm(module: nn.Module) -> bool:
-    return type(module).__name__.endswith("RMSNorm") and isinstance(getattr(module, "weight", None), nn.Parameter)
-
-
-_BIAS = _Role("bias", _bias_sq_norms, _bias_sum)
-
-KINDS: tuple[_Kind, ...] = (
-    _Kind(
-        "Linear",
-        lambda m: isinstance(m, nn.Linear),
-        lambda m, x: F.linear(x, m.weight, m.bias),
-        lambda m: _features(m, m.in_features),
-        (_Role("weight", _linear_sq_norms, lambda m, x, g, c: _outer_sum(g, x, c)), _BIAS),
-    ),
-    _Kind(
-        "Conv1D",  # Hugging Face GPT-2: y = x W + b with W [d_in, d_out]
-        _is_conv1d,
-        lambda m, x: x @ m.weight + m.bias,
-        lambda m: _features(m, m.weight.shape[0]),
-        (_Role("weight", _linear_sq_norms, lambda m, x, g, c: _outer_sum(x, g, c)), _BIAS),
-    ),
-    _Kind(
-        "Embedding",
-        lambda m: isinstance(m, nn.Embedding),
-        lambda m, ids: F.embedding(ids, m.weight, m.padding_idx),
-        lambda m: torch.arange(min(4, m.num_embeddings), device=m.weight.device)[None],
-        (_Role("weight", lambda m, ids, g: norms.lookup_sq_norms(ids, g, m.padding_idx), _lookup_sum),),
-        lookup=True,
-    ),
-    _Kind(
-        "LayerNorm",
-        lambda m: isinstance(m, nn.LayerNorm),
-        lambda m, x: F.layer_norm(x, m.normalized_shape, m.weight, m.bias, m.eps),
-        lambda m: _features(m, m.normalized_shape[0]),
-        (
-            _Role(
-                "weight",
-                lambda m, x, g: norms.layernorm_sq_norms(x, g, m.eps, bias=False),
-                _scaled_sum(_layernorm_hat),
-            ),
-            _BIAS,
-        ),
-    ),
-    _Kind(
-        "RMSNorm",
-        _is_rmsnorm,
-        lambda m, x: (m.weight * _rms_hat(m, x)).to(x.dtype),
-        lambda m: _features(m, m.weight.shape[-1]),
-        (_Role("weight", lambda m, x, g: norms.rmsnorm_sq_norms(x, g, _rms_eps(m, x)), _scaled_sum(_rms_hat)),),
-    ),
-)
-
 # Formula probe tolerance (relative and absolute): it must reject a different formula, not
 # rounding. float32 for parameters of float32 or wider (Hugging Face RMSNorms compute in float32
 # even in a float64 model), bf16/fp16 otherwise.
 _PROBE_TOLERANCE = {torch.float64: 1e-5, torch.float32: 1e-5}
 _PROBE_TOLERANCE_LOW_PRECISION = 2e-2
-
-
-def _kind_of(module: nn.Module) -> _Kind | None:
-    return next((kind for kind in KINDS if kind.matches(module)), None)
 
 
 # ---------- what the engine hooks, and the checks that make its norms exact ----------
@@ -284,7 +124,7 @@ class _Call:
     """One call of a hooked module in the current forward: detached input, attached output."""
 
     module: nn.Module
-    kind: _Kind
+    rule: NormRule
     x: torch.Tensor
     y: torch.Tensor
 
@@ -294,45 +134,35 @@ class _Use:
     """One use of a trainable parameter in the current forward, batch-first ``[B, T, ...]``."""
 
     module: nn.Module
-    role: _Role
+    role: ParamRole
     x: torch.Tensor
     g: torch.Tensor
 
 
-def _supported_modules(model: nn.Module) -> dict[nn.Module, _Kind]:
-    """Modules owning a trainable parameter, with their kind; ValueError naming any trainable
+def _supported_modules(model: nn.Module) -> dict[nn.Module, NormRule]:
+    """Modules owning a trainable parameter, with their norm rule; ValueError naming any trainable
     parameter of an unsupported module type, any option that breaks the norms, and any
     parameter shared other than one ``nn.Embedding`` weight tied to one ``nn.Linear`` weight."""
     owners: dict[nn.Parameter, list[tuple[str, nn.Module]]] = {}
-    found: dict[nn.Module, _Kind] = {}
+    found: dict[nn.Module, NormRule] = {}
     for name, module in model.named_modules(remove_duplicate=False):
         for attr, param in module.named_parameters(recurse=False):
             if not param.requires_grad:
                 continue
             full = f"{name}.{attr}" if name else attr
-            kind = _kind_of(module)
-            if kind is None or attr not in {role.attr for role in kind.roles}:
+            rule = find_rule(module)
+            if rule is None or attr not in rule.attrs:
                 raise ValueError(
                     f"trainable parameter {full!r} belongs to {type(module).__name__}, which the DP "
-                    f"engine does not support (supported: {', '.join(k.name for k in KINDS)}); "
+                    f"engine does not support (supported: {', '.join(supported_names())}); "
                     "freeze it or rebuild the module from supported types"
                 )
-            _check_options(name, module, kind)
+            rule.check_options(name, module)
             owners.setdefault(param, []).append((full, module))
-            found[module] = kind
+            found[module] = rule
     for users in owners.values():
         _check_sharing(users)
     return found
-
-
-def _check_options(name: str, module: nn.Module, kind: _Kind) -> None:
-    if kind.name == "Embedding" and (module.max_norm is not None or module.scale_grad_by_freq or module.sparse):
-        raise ValueError(
-            f"embedding {name!r}: max_norm, scale_grad_by_freq and sparse are not supported "
-            "(they rescale rows or gradients across the batch)"
-        )
-    if kind.name == "LayerNorm" and len(module.normalized_shape) != 1:
-        raise ValueError(f"layer norm {name!r}: only normalisation over the last dimension is supported")
 
 
 def _check_sharing(users: list[tuple[str, nn.Module]]) -> None:
@@ -352,17 +182,17 @@ def _check_sharing(users: list[tuple[str, nn.Module]]) -> None:
         )
 
 
-def _check_formula(name: str, module: nn.Module, kind: _Kind) -> None:
-    """The module's forward must equal ``kind.reference`` on a probe input: a module that
+def _check_formula(name: str, module: nn.Module, rule: NormRule) -> None:
+    """The module's forward must equal ``rule.reference`` on a probe input: a module that
     computes something else (e.g. an RMSNorm with ``(1 + weight)``) would get wrong norms."""
     weight = next(module.parameters())
     tolerance = _PROBE_TOLERANCE.get(weight.dtype, _PROBE_TOLERANCE_LOW_PRECISION)
     with torch.no_grad():
-        probe = kind.probe(module)
-        got, want = module(probe).double(), kind.reference(module, probe).double()
+        probe = rule.probe(module)
+        got, want = module(probe).double(), rule.reference(module, probe).double()
     if got.shape != want.shape or not torch.allclose(got, want, rtol=tolerance, atol=tolerance):
         raise ValueError(
-            f"module {name!r} ({type(module).__name__}) does not compute the {kind.name} formula the "
+            f"module {name!r} ({type(module).__name__}) does not compute the {rule.name} formula the "
             "DP engine's per-sample norms assume; its norms would be wrong (a privacy bug)"
         )
 
@@ -380,7 +210,7 @@ def _param_sq_norms(uses: list[_Use]) -> torch.Tensor:
         return use.role.sq_norms(use.module, use.x, use.g)
     lookup = next(u for u in uses if isinstance(u.module, nn.Embedding))
     output = next(u for u in uses if u is not lookup)
-    return norms.tied_embedding_sq_norms(lookup.x, lookup.g, output.x, output.g, lookup.module.padding_idx)
+    return tied_embedding_sq_norms(lookup.x, lookup.g, output.x, output.g, lookup.module.padding_idx)
 
 
 # ---------- the engine ----------
@@ -400,8 +230,8 @@ class DPEngine:
         self.config = config
         self._modules = _supported_modules(model)
         self._names = {module: name for name, module in model.named_modules(remove_duplicate=False)}
-        for module, kind in self._modules.items():
-            _check_formula(self._names[module], module, kind)
+        for module, rule in self._modules.items():
+            _check_formula(self._names[module], module, rule)
         self._params = list(dict.fromkeys(p for p in model.parameters() if p.requires_grad))
         if not self._params:
             raise ValueError("the model has no trainable parameter")
@@ -523,8 +353,8 @@ class DPEngine:
         for call, g in zip(calls, grads, strict=True):
             if g is None:
                 continue
-            x, g = _batch_first(call.x, call.kind.lookup), _batch_first(g, lookup=False)
-            for role in call.kind.roles:
+            x, g = _batch_first(call.x, call.rule.lookup), _batch_first(g, lookup=False)
+            for role in call.rule.roles:
                 param = getattr(call.module, role.attr)
                 if param is not None and param.requires_grad:
                     uses.setdefault(param, []).append(_Use(call.module, role, x, g))
@@ -532,7 +362,7 @@ class DPEngine:
 
     def _sq_norms(self, uses: dict[nn.Parameter, list[_Use]], loss: torch.Tensor) -> torch.Tensor:
         """``[b]``: sum over trainable parameters of the per-sample squared gradient norms."""
-        start = torch.zeros(loss.shape[0], dtype=norms.norm_dtype(loss), device=loss.device)
+        start = torch.zeros(loss.shape[0], dtype=norm_dtype(loss), device=loss.device)
         return sum((_param_sq_norms(param_uses) for param_uses in uses.values()), start)
 
     def _clip_factors(self, sample_norms: torch.Tensor) -> torch.Tensor:
@@ -600,7 +430,7 @@ def causal_lm_per_sample_loss(
     if shift:
         labels = F.pad(labels[:, 1:], (0, 1), value=ignore_index)
     tokens = F.cross_entropy(
-        logits.flatten(0, 1).to(norms.norm_dtype(logits)),
+        logits.flatten(0, 1).to(norm_dtype(logits)),
         labels.flatten(),
         ignore_index=ignore_index,
         reduction="none",

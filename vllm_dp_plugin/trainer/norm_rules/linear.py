@@ -1,0 +1,54 @@
+"""``nn.Linear`` (dpformer spec 3.3): ghost norms of the weight, and the bias shared by every
+affine layer (``BIAS``)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .base import NormRule, ParamRole, features, gram, norm_dtype, outer_sum, register_norm_rule
+
+
+def linear_sq_norms(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """Weight ``W [d_out, d_in]`` of ``y = a W^T``: ``a: [B, T, d_in]``, ``g: [B, T, d_out]``.
+
+    Ghost norm ``<a a^T, g g^T>`` (``[B, T, T]`` Grams) when ``2 T^2 <= d_in d_out``, else the
+    per-sample gradient ``g^T a`` itself (``[B, d_out, d_in]``, the smaller of the two)."""
+    dtype = norm_dtype(a, g)
+    a, g = a.to(dtype), g.to(dtype)
+    tokens, d_in, d_out = a.shape[1], a.shape[2], g.shape[2]
+    if 2 * tokens * tokens <= d_in * d_out:
+        return (gram(a) * gram(g)).sum((1, 2))
+    return torch.einsum("bto,bti->boi", g, a).pow(2).sum((1, 2))
+
+
+def bias_sq_norms(g: torch.Tensor) -> torch.Tensor:
+    """Bias of a linear layer: ``||sum_t g_t||^2``; ``g: [B, T, d_out]``."""
+    return g.to(norm_dtype(g)).sum(1).pow(2).sum(-1)
+
+
+def bias_clipped_sum(module: nn.Module, x: torch.Tensor, g: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """``sum_b c_b sum_t g_b,t``: ``[d_out]``."""
+    per_sample = g.sum(1, dtype=norm_dtype(g))
+    return c.to(per_sample.dtype) @ per_sample
+
+
+BIAS = ParamRole("bias", lambda m, x, g: bias_sq_norms(g), bias_clipped_sum)
+
+
+@register_norm_rule(nn.Linear)
+class LinearRule(NormRule):
+    """``y = x W^T + b``, ``W [d_out, d_in]``."""
+
+    name = "Linear"
+    roles = (
+        ParamRole("weight", lambda m, x, g: linear_sq_norms(x, g), lambda m, x, g, c: outer_sum(g, x, c)),
+        BIAS,
+    )
+
+    def reference(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, module.weight, module.bias)
+
+    def probe(self, module: nn.Module) -> torch.Tensor:
+        return features(module, module.in_features)
