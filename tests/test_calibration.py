@@ -15,11 +15,9 @@ from transformers import (
     WhisperForConditionalGeneration,
 )
 
+from vllm_dp_plugin.attention.calibration_file import FORMAT, Calibration, CalibrationError
 from vllm_dp_plugin.attention.mapping import HeadMapping
 from vllm_dp_plugin.calibration import (
-    FORMAT,
-    Calibration,
-    CalibrationError,
     _capturing,
     calibrate_model,
     capture_attention,

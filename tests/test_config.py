@@ -1,19 +1,61 @@
-"""The typed dp_privacy config and the `vllm-dp account` command."""
+"""The typed dp_privacy config and the `vllm-dp account` command (without a model; with one:
+tests/serving/test_budget_statement.py)."""
+
+import dataclasses
 
 import pytest
 import yaml
 
+from vllm_dp_plugin.attention.params import DPAttentionParams
+from vllm_dp_plugin.attention.plan import SHARED_FIELDS, attention_params
 from vllm_dp_plugin.cli import main
-from vllm_dp_plugin.config import ConfigError, DPPrivacyConfig
+from vllm_dp_plugin.config import (
+    AttentionPrivacyConfig,
+    ConfigError,
+    DPPrivacyConfig,
+    parse_section,
+    section_from_file,
+    section_json,
+)
 
 GOOD = {"attention": {"epsilon": 8.0, "delta": 1e-6, "num_layers": 2, "num_kv_heads": 2}}
 
 
-def test_defaults_and_release_count():
+def test_defaults():
     cfg = DPPrivacyConfig.from_dict(GOOD)
     att = cfg.attention
     assert cfg.enabled and att.mode == "state" and att.mechanism == "gaussian"
-    assert att.composition == "pld" and att.releases() == 4
+    assert att.composition == "pld" and (att.num_layers, att.num_kv_heads, att.releases_per_head) == (2, 2, 1)
+
+
+def test_config_and_attention_params_share_names_and_defaults():
+    """The one translation copies every shared field: none may drift in name or default."""
+    config = {f.name: f.default for f in dataclasses.fields(AttentionPrivacyConfig)}
+    params = {f.name: f.default for f in dataclasses.fields(DPAttentionParams)}
+    knobs = ("mode", "mechanism", "composition", "features", "degree", "kernel_error", "max_features",
+             "num_random_features", "max_context")
+    assert set(knobs) <= set(SHARED_FIELDS) == set(config) & set(params)
+    assert {name: config[name] for name in SHARED_FIELDS if name not in ("epsilon", "delta")} == {
+        name: params[name] for name in SHARED_FIELDS if name not in ("epsilon", "delta")}
+    att = DPPrivacyConfig.from_dict({"attention": {"epsilon": 2.0, "delta": 1e-7, "mechanism": "truncated_laplace",
+                                                   "kernel_error": 0.2, "max_context": 99}}).attention
+    params = attention_params(att, 6)
+    assert all(getattr(params, name) == getattr(att, name) for name in SHARED_FIELDS)
+    assert params.scope == "layer"
+
+
+def test_the_section_is_parsed_once_per_process():
+    raw = {"attention": {"epsilon": 1, "delta": "1e-6", "contexts": {"b": "b.txt", "a": "a.txt"}}}
+    first = parse_section(raw)
+    assert parse_section(dict(raw)) is first and first.attention.delta == 1e-6
+    reordered = {"attention": {**raw["attention"], "contexts": {"a": "a.txt", "b": "b.txt"}}}
+    assert list(parse_section(reordered).attention.context_files()) == ["a", "b"]  # order is meaning
+    assert parse_section(None) is parse_section({}) and not parse_section(None).enabled
+    for _ in range(2):  # errors are not cached away
+        with pytest.raises(ConfigError, match="attention.epsilon must be > 0"):
+            parse_section({"attention": {"epsilon": -1, "delta": 1e-6}})
+    with pytest.raises(ConfigError, match="plain JSON values"):
+        section_json({"attention": {"epsilon": object()}})
 
 
 def test_empty_config_means_dp_off():
@@ -31,6 +73,10 @@ def test_empty_config_means_dp_off():
         ({"attention": {**GOOD["attention"], "mechanism": "cauchy"}}, "attention.mechanism"),
         ({"attention": {**GOOD["attention"], "mode": "magic"}}, "attention.mode"),
         ({"attention": {**GOOD["attention"], "num_layers": 0}}, "num_layers"),
+        ({"attention": {**GOOD["attention"], "mechanism": "truncated_laplace", "composition": "rdp"}},
+         "attention.composition rdp accounts the Gaussian state only"),
+        ({"attention": {**GOOD["attention"], "mode": "tree", "composition": "rdp"}}, "attention.composition rdp"),
+        ({"attention": {**GOOD["attention"], "mode": "reference"}}, "attention.mode"),
         ({"attention": {**GOOD["attention"], "colour": "red"}}, "unknown key"),
         ({"attention": [1, 2]}, "must be a mapping"),
     ],
@@ -40,19 +86,29 @@ def test_bad_config_names_the_key(raw, match):
         DPPrivacyConfig.from_dict(raw)
 
 
-def test_account_needs_the_model_shape():
-    cfg = DPPrivacyConfig.from_dict({"attention": {"epsilon": 1.0, "delta": 1e-6}})
-    with pytest.raises(ConfigError, match="num_layers"):
-        cfg.attention.releases()
-
-
-def test_account_command_prints_budget(tmp_path, capsys):
+def test_account_of_dp_attention_needs_the_served_model(tmp_path, capsys):
     path = tmp_path / "dp.yaml"
     path.write_text(yaml.safe_dump({"dp_privacy": GOOD}))
+    assert main(["account", "--config", str(path)]) == 2
+    assert "pass --model MODEL" in capsys.readouterr().err
+
+
+def test_account_of_nothing_says_dp_is_off(tmp_path, capsys):
+    path = tmp_path / "dp.yaml"
+    path.write_text(yaml.safe_dump({"dp_privacy": {}}))
     assert main(["account", "--config", str(path)]) == 0
-    out = capsys.readouterr().out
-    assert "2 layers x 2 kv heads x 1 per head = 4" in out
-    assert "spent per private context (pld composition)" in out
+    assert "DP is off" in capsys.readouterr().out
+
+
+def test_file_paths_are_relative_to_the_config_file(tmp_path):
+    (tmp_path / "conf").mkdir()
+    path = tmp_path / "conf" / "dp.yaml"
+    path.write_text(yaml.safe_dump({"dp_privacy": {"key_file": "k", "attention": {
+        "epsilon": 1.0, "delta": 1e-6, "calibration": "../cal.json", "contexts": {"a": "a.txt"}}}}))
+    raw = section_from_file(path)
+    base = (tmp_path / "conf").resolve()
+    assert raw["key_file"] == str(base / "k") and raw["attention"]["calibration"] == str(base / "../cal.json")
+    assert raw["attention"]["contexts"] == {"a": str(base / "a.txt")}
 
 
 @pytest.mark.parametrize(
@@ -81,7 +137,7 @@ def test_account_command_bad_config_exits_2(tmp_path, capsys):
 
 def test_example_config_is_valid():
     cfg = DPPrivacyConfig.from_file("examples/dp.yaml")
-    assert cfg.attention.releases() == 4
+    assert (cfg.attention.num_layers, cfg.attention.num_kv_heads) == (2, 2)
 
 
 @pytest.mark.parametrize(

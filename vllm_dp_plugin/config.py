@@ -1,19 +1,22 @@
 """The one typed configuration: ``--additional-config '{"dp_privacy": {...}}'`` or a YAML file.
 
-Parsed and validated once (``DPPrivacyConfig.from_dict``); every error names the offending key.
+Parsed and validated once (``DPPrivacyConfig.from_dict``; ``parse_section`` caches it per process
+and distinct section, so every caller shares one object); every error names the offending key.
 Sections not given are ``None`` (that feature is off). No vLLM import.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .privacy.accountant import COMPOSITIONS, Budget
+from .attention.params import FEATURES, STATE_MECHANISMS
+from .privacy.accountant import COMPOSITIONS
 from .privacy.validation import check_count, check_delta, check_epsilon, check_positive
 from .prompt.mechanisms import MECHANISMS
 
@@ -24,7 +27,7 @@ class ConfigError(ValueError):
     """A ``dp_privacy`` configuration that cannot be used; the message says which key and why."""
 
 
-STATE_MECHANISMS = ("gaussian", "truncated_laplace")
+SERVED_MODES = ("state", "tree")  # attention.params.MODES less the oracle ("reference")
 MAX_CURVE_EPSILON = 100.0  # pld/rdp discretise the privacy loss; beyond this they blow up
 BOUND_KEYS = ("key_bound", "query_bound", "value_bound", "key_norm", "query_norm")
 CONTEXT_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # names are public: /v1/dp/budget, logs
@@ -36,14 +39,17 @@ DEFAULT_CONTEXT = "default"  # the name of the one context of ``private_context`
 class AttentionPrivacyConfig:
     """DP attention over the private context: total budget for the whole model.
 
-    ``epsilon``/``delta`` cover every release of one private context: ``num_layers x
-    num_kv_heads x releases_per_head`` per-(layer, KV head) releases composed with
-    ``composition``. The guarantee's unit is one private K/V row of one layer (replace-one).
-    ``num_layers``/``num_kv_heads`` are read from the served model when omitted.
+    ``epsilon``/``delta`` cover every release of one private context: ``layers x KV heads x
+    releases_per_head`` per-(layer, KV head) releases composed with ``composition``; one
+    deployment's release of a context makes ``layers x KV heads`` of them, so
+    ``releases_per_head`` > 1 keeps room for that many releases (e.g. under ``allow_rerelease``).
+    The guarantee's unit is one private K/V row of one layer (replace-one). The model's shape
+    is read from the served model; ``num_layers``/``num_kv_heads``, when given, must match it.
 
     ``mode``: ``state`` (noisy kernelised state; ``mechanism`` is its noise) or ``tree`` (DPTree).
-    ``features``/``degree``/``kernel_error``/``max_features``/``num_random_features``: the
-    public feature map (``attention.params.DPAttentionParams``).
+    ``features``/``degree``/``kernel_error``/``max_features``/``num_random_features``/``mechanism``/
+    ``composition``/``max_context``: the ``attention.params.DPAttentionParams`` fields of the same
+    names and defaults (``attention.plan.attention_params`` is the one translation).
     Bounds come from public data only: ``calibration`` (a file from ``vllm-dp calibrate``) or
     explicit ``bounds`` (``key_bound``, ``query_bound``, ``value_bound`` and optional
     ``key_norm``/``query_norm``), exactly one of the two when serving.
@@ -84,10 +90,15 @@ class AttentionPrivacyConfig:
     def __post_init__(self) -> None:
         _check_field(self, "epsilon", check_epsilon, "attention.epsilon")
         _check_field(self, "delta", check_delta, "attention.delta")
-        _choice(self.mode, ("state", "tree"), "attention.mode")
+        _choice(self.mode, SERVED_MODES, "attention.mode")
         _choice(self.mechanism, STATE_MECHANISMS, "attention.mechanism")
         _choice(self.composition, COMPOSITIONS, "attention.composition")
-        _choice(self.features, ("taylor", "prf"), "attention.features")
+        _choice(self.features, FEATURES, "attention.features")
+        if self.composition == "rdp" and (self.mode != "state" or self.mechanism != "gaussian"):
+            raise ConfigError(
+                "attention.composition rdp accounts the Gaussian state only (mode state, mechanism "
+                "gaussian); use pld, advanced or basic"
+            )
         if self.degree is not None and (not isinstance(self.degree, int) or self.degree < 0):
             raise ConfigError(f"attention.degree must be an integer >= 0, got {self.degree!r}")
         _check_field(self, "kernel_error", check_positive, "attention.kernel_error")
@@ -141,19 +152,6 @@ class AttentionPrivacyConfig:
         if self.contexts is None:
             return "attention.private_context"
         return "attention.contexts" if name is None else f"attention.contexts.{name}"
-
-    @property
-    def total(self) -> Budget:
-        return Budget(self.epsilon, self.delta)
-
-    def releases(self) -> int:
-        """Number of composed releases; needs the model shape."""
-        if self.num_layers is None or self.num_kv_heads is None:
-            raise ConfigError(
-                "attention.num_layers and attention.num_kv_heads are needed to account the budget "
-                "(they are read from the model when serving)"
-            )
-        return self.num_layers * self.num_kv_heads * self.releases_per_head
 
 
 def _check_bounds(bounds: Any) -> None:
@@ -293,14 +291,9 @@ class DPPrivacyConfig:
 
     @classmethod
     def from_file(cls, path: str | Path) -> DPPrivacyConfig:
-        """Load YAML or JSON; the file may hold the section itself or ``{dp_privacy: {...}}``."""
-        import yaml
-
-        text = Path(path).read_text()
-        raw = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
-        if isinstance(raw, dict) and CONFIG_KEY in raw:
-            raw = raw[CONFIG_KEY]
-        return cls.from_dict(raw or {})
+        """Load YAML or JSON; the file may hold the section itself or ``{dp_privacy: {...}}``.
+        Relative file paths in it stay as written (``section_from_file`` resolves them)."""
+        return cls.from_dict(_read_section(path))
 
     @property
     def enabled(self) -> bool:
@@ -311,6 +304,62 @@ class DPPrivacyConfig:
     def prompt_enabled(self) -> bool:
         """Prompt privatization is on (the ``prompt`` section is present)."""
         return self.prompt is not None
+
+
+def section_json(raw: Any) -> str:
+    """The raw ``dp_privacy`` section (None: absent) as JSON text, in the order given (the first
+    of ``attention.contexts`` is the default context): what identifies a configuration."""
+    try:
+        return json.dumps({} if raw is None else raw)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{CONFIG_KEY} must hold plain JSON values (mappings, lists, strings, "
+                          f"numbers, booleans, null): {exc}") from None
+
+
+def parse_section(raw: Any) -> DPPrivacyConfig:
+    """``DPPrivacyConfig.from_dict(raw)``, parsed and validated once per process and distinct
+    section (cached by ``section_json``): every caller gets the same typed object."""
+    return config_from_json(section_json(raw))
+
+
+@functools.lru_cache(maxsize=8)
+def config_from_json(text: str) -> DPPrivacyConfig:
+    """The typed configuration of a ``section_json`` text (cached; errors are not)."""
+    return DPPrivacyConfig.from_dict(json.loads(text))
+
+
+def section_from_file(path: str | Path) -> Any:
+    """The raw ``dp_privacy`` section of a YAML/JSON file with its file paths made absolute
+    relative to the file (a server or ``vllm-dp account`` can then run from anywhere); parse it
+    with ``parse_section``."""
+    raw = _read_section(path)
+    base = Path(path).resolve().parent
+    if not isinstance(raw, dict):
+        return raw
+    for name in ("key_file", "ledger_file"):
+        if isinstance(raw.get(name), str):
+            raw[name] = str(base / raw[name])
+    att = raw.get("attention")
+    if not isinstance(att, dict):
+        return raw
+    for name in ("private_context", "calibration", "contexts"):
+        if isinstance(att.get(name), str):
+            att[name] = str(base / att[name])
+    if isinstance(att.get("contexts"), dict):
+        att["contexts"] = {
+            name: str(base / file) if isinstance(file, str) else file for name, file in att["contexts"].items()
+        }
+    return raw
+
+
+def _read_section(path: str | Path) -> Any:
+    import yaml
+
+    text = Path(path).read_text()
+    raw = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
+    if isinstance(raw, dict) and CONFIG_KEY in raw:
+        raw = raw[CONFIG_KEY]
+    return raw or {}
 
 
 def _build(section_cls: type, raw: Any, where: str):

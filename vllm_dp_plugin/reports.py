@@ -1,18 +1,52 @@
-"""Human-readable privacy reports of a configuration (used by ``vllm-dp account``)."""
+"""Privacy reports of a configuration (``vllm-dp account``).
+
+DP attention: the statement ``GET /v1/dp/budget`` gives (``settings.budget_statement``: one
+``ContextPlan.report()`` per private context), computed for the model the configuration will
+serve (``account_statement``) and rendered line by line from those reports (``attention_report``):
+nothing is computed on another path. Prompt privatization: the per-token statement.
+"""
 
 from __future__ import annotations
 
-import math
-
-from .config import AttentionPrivacyConfig, DPPrivacyConfig, PromptPrivacyConfig
-from .privacy.budget import plan_releases
+from .config import ConfigError, DPPrivacyConfig, PromptPrivacyConfig
 
 
-def budget_report(config: DPPrivacyConfig) -> str:
-    """What each configured feature spends, per release and in total."""
-    parts = []
-    if config.attention is not None:
-        parts.append(attention_report(config.attention))
+def account_statement(config: DPPrivacyConfig, model: str | None) -> dict:
+    """``settings.budget_statement`` of ``config`` served with ``model`` (a Hugging Face model
+    directory, or a name in the local cache): what ``GET /v1/dp/budget`` will answer, less each
+    context's keyed label and release ledger (they need the secret noise key). The contexts are
+    tokenized with the model's tokenizer, as the server does."""
+    from .attention.plan import ModelShape
+    from .serving.settings import budget_statement
+
+    if config.attention is None:
+        return budget_statement(config, None, {})
+    if model is None:
+        raise ConfigError(
+            "dp_privacy.attention: the guarantee depends on the served model (layers, KV heads, head "
+            "size, feature map) and on the private contexts' lengths: pass --model MODEL"
+        )
+    shape = ModelShape.from_pretrained(model)
+    return budget_statement(config, shape, context_lengths(config, shape, model))
+
+
+def context_lengths(config: DPPrivacyConfig, shape, model: str) -> dict[str, int]:
+    """Tokens of each configured private context under ``model``'s tokenizer (decoder-only)."""
+    from .serving.context import context_tokens
+
+    att = config.attention
+    if shape.is_encoder_decoder or not att.serves_context:
+        return {}  # the plan refuses what does not fit the model (``plan.check_model``)
+    return {name: len(context_tokens(path, str(model), att.context_key(name))[0])
+            for name, path in att.context_files().items()}
+
+
+def budget_report(config: DPPrivacyConfig, statement: dict) -> str:
+    """What each configured feature spends: DP attention from ``statement`` (``account_statement``),
+    prompt privatization from the configuration."""
+    parts = [attention_report(report) for report in statement["contexts"]]
+    if statement.get("scope"):
+        parts.append(f"Budget scope: {statement['scope']}")
     if config.prompt is not None:
         parts.append(prompt_report(config.prompt))
     return "\n\n".join(parts) or "dp_privacy configures nothing: no privacy budget is spent (DP is off)."
@@ -50,36 +84,30 @@ def prompt_report(prompt: PromptPrivacyConfig) -> str:
     )
 
 
-def attention_report(att: AttentionPrivacyConfig) -> str:
-    """The per-(layer, kv head) release and the composed total for one private context, and
-    which contexts the configuration serves (each spends that total on its own)."""
-    k = att.releases()
-    ledger = plan_releases(
-        att.total, k, att.mechanism, att.composition, label="(layer, kv head) release"
-    )
-    mechanism = ledger.releases[0].mechanism
+def attention_report(report: dict) -> str:
+    """One private context's statement (``ContextPlan.report()``), line by line."""
+    where = (f"private context {report['name']!r}" if "name" in report else report.get("context", "the private context"))
+    per, spent, planned = report["per_release"], report["spent"], report["planned"]
     return "\n".join(
         [
-            "DP attention over the private context",
-            "  unit of privacy: one private K/V row of one layer (replace-one neighbours)",
-            (
-                f"  releases: {att.num_layers} layers x {att.num_kv_heads} kv heads x "
-                f"{att.releases_per_head} per head = {k}"
-            ),
-            f"  per release (unit sensitivity): {mechanism.statement()}",
-            f"  noise std per unit of sensitivity: {math.sqrt(mechanism.variance):.6g}",
-            f"  budget asked: {att.total}",
-            f"  spent per private context ({att.composition} composition): {ledger.spent()}",
-            *([contexts_line(att)] if att.serves_context else []),
+            f"DP attention over {where} ({report['context_tokens']} rows; {report['kind']}, mode {report['mode']})",
+            f"  unit of privacy: {report['unit']}",
+            (f"  releases: {report['layers']} layers x {report['kv_heads']} KV heads = {report['releases']} per "
+             f"release of the context; the budget covers {report['releases_per_head']} release(s) of each"),
+            f"  per (layer, KV head) release: {per['mechanism']}: {_budget(per)}-DP",
+            f"  noise std per layer: {_numbers(report['noise_std'])}",
+            f"  spent by one release of the context ({report['composition']} composition): {_budget(spent)}",
+            f"  planned ({planned['releases']} releases): {_budget(planned)} of the budget {_budget(report['budget'])}",
+            f"  logit bound per layer: {_numbers(report['logit_bound'])}",
+            f"  Taylor degree per layer: {_numbers(report['taylor_degree'])}",
+            f"  kernel error per layer: {_numbers(report['kernel_error'])}",
         ]
     )
 
 
-def contexts_line(att: AttentionPrivacyConfig) -> str:
-    """The served private contexts by name (a ``contexts`` directory is not listed: its paths
-    are relative to the served configuration file)."""
-    if isinstance(att.contexts, str):
-        names = f"the *.txt / *.jsonl files of {att.contexts}, named by stem"
-    else:
-        names = ", ".join(att.context_files())
-    return f"  private contexts: {names}; each is its own protected dataset and spends the budget above on its own"
+def _budget(b: dict) -> str:
+    return f"(eps={b['epsilon']:.6g}, delta={b['delta']:.3g})"
+
+
+def _numbers(values: list) -> str:
+    return ", ".join("unbounded" if v is None else f"{v:.4g}" for v in values)

@@ -109,7 +109,7 @@ def test_repeated_queries_are_identical_and_chunked_build_equals_whole_build():
 def test_release_holds_no_exact_private_data():
     k, v, _ = _context()
     att = _attention().build(k, v)
-    assert att._state is None and not att._chunks
+    assert att._builder is None
     tensors = [x for x in vars(att).values() if torch.is_tensor(x)]
     tensors += [x for x in vars(att._release).values() if torch.is_tensor(x)]
     exact = att.features(k).transpose(1, 2) @ torch.cat([v, torch.ones_like(v[..., :1])], -1)
@@ -141,7 +141,7 @@ def test_layer_scope_splits_the_budget_over_heads():
 
 def test_truncated_laplace_state_is_bounded_and_accounted():
     k, v, q = _context(heads=1)
-    att = _attention(heads=1, state_mechanism="truncated_laplace").build(k, v)
+    att = _attention(heads=1, mechanism="truncated_laplace").build(k, v)
     mech = att.account.per_head
     assert mech.valid and mech.epsilon == 1.0 and math.isfinite(mech.noise.bound)
     assert att.query(q).shape == (1, 5, DV)
@@ -209,8 +209,10 @@ def test_bad_queries_and_parameters():
 
 def test_float32_queries_match_float64_queries_to_float32_precision():
     k, v, q = _context()
-    fast = DPCrossAttention(DPAttentionParams(1.0, 1e-6), HeadMapping.paper(D), 2, D, DV)
-    exact = DPCrossAttention(DPAttentionParams(1.0, 1e-6, query_dtype="float64"), HeadMapping.paper(D), 2, D, DV)
+    # degree 2: the tensor-power fast query path (degree <= 2) is what float32 queries take
+    fast = DPCrossAttention(DPAttentionParams(1.0, 1e-6, degree=2), HeadMapping.paper(D), 2, D, DV)
+    exact = DPCrossAttention(DPAttentionParams(1.0, 1e-6, degree=2, query_dtype="float64"), HeadMapping.paper(D), 2,
+                             D, DV)
     fast.build(k, v, torch.Generator().manual_seed(2))
     exact.build(k, v, torch.Generator().manual_seed(2))
     assert fast.query(q).dtype == torch.float64

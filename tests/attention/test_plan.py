@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
+from vllm_dp_plugin.attention.calibration_file import Calibration
 from vllm_dp_plugin.attention.mapping import HeadMapping
 from vllm_dp_plugin.attention.plan import ContextPlan
-from vllm_dp_plugin.calibration import Calibration
 from vllm_dp_plugin.config import ConfigError, DPPrivacyConfig
 
 BOUNDS = {"key_bound": 0.5, "query_bound": 0.5, "value_bound": 1.0, "key_norm": 1.5, "query_norm": 1.5}
@@ -51,3 +51,55 @@ def test_calibration_for_another_softmax_scale_is_refused(tmp_path):
     )
     with pytest.raises(ConfigError, match="calibrated with softmax scale 0.5"):
         _plan(layers=1, calibration=str(path)).report()
+
+
+@pytest.mark.parametrize(
+    "attention",
+    [
+        {},
+        {"composition": "basic"},
+        {"composition": "advanced"},
+        {"composition": "rdp"},
+        {"mechanism": "truncated_laplace"},
+        {"mechanism": "truncated_laplace", "composition": "advanced"},
+        {"mode": "tree", "degree": 1},
+        {"mode": "tree", "degree": 1, "composition": "advanced"},
+        {"mode": "tree", "degree": 1, "releases_per_head": 2},
+        {"releases_per_head": 3},
+    ],
+    ids=repr,
+)
+def test_every_mode_states_a_finite_spend_within_the_budget(attention):
+    """Gaussian states under advanced composition used to report eps = inf (no slack left above
+    k delta); the DPTree used to spend its slack delta' (1e-6 per head) on top of the budget."""
+    report = _plan(bounds=BOUNDS, **attention).report()
+    per_head = attention.get("releases_per_head", 1)
+    assert report["releases"] == 6 and report["planned"]["releases"] == 6 * per_head
+    planned, spent = report["planned"], report["spent"]
+    assert math.isfinite(spent["epsilon"]) and planned["epsilon"] <= 4.0 * (1 + 1e-6)
+    assert planned["delta"] <= 1e-6 and spent["delta"] <= planned["delta"]
+    if "mode" not in attention:  # the state spends its whole budget
+        assert planned["epsilon"] == pytest.approx(4.0, rel=1e-2)
+
+
+def test_each_layer_is_accounted_with_its_own_release(tmp_path):
+    """Per-layer calibrations give per-layer releases: all of them are composed, not layer 0's."""
+    tight = HeadMapping(8**-0.5, 0.2, 0.2, 0.5, key_center=torch.zeros(2, 8, dtype=torch.float64))
+    loose = HeadMapping(8**-0.5, 2.0, 2.0, 2.0, key_center=torch.zeros(2, 8, dtype=torch.float64))
+    path = Calibration("m", "test", 0.999, 10, {"self_attention": {0: tight, 1: loose}, "cross_attention": {}}).to_file(
+        tmp_path / "cal.json"
+    )
+    plan = _plan(layers=2, calibration=str(path), mode="tree")
+    degrees = plan.report()["taylor_degree"]
+    assert degrees[0] != degrees[1]  # the degree rule differs: so do the DPTree's feature counts
+    first, second = plan.mechanisms
+    assert first.name != second.name
+    assert plan.report()["per_release"]["mechanism"] == f"{first.name}, {second.name}"
+    assert plan.report()["noise_std"][0] != plan.report()["noise_std"][1]
+
+
+def test_config_shape_keys_must_match_the_model():
+    with pytest.raises(ConfigError, match="attention.num_kv_heads is 4 but the served model has 2"):
+        _plan(bounds=BOUNDS, num_kv_heads=4)
+    with pytest.raises(ConfigError, match="exceeds max_context=10"):
+        _plan(bounds=BOUNDS, max_context=10)

@@ -7,11 +7,13 @@ ledger (dp-accounting underneath), so every figure is what the sampled noise rea
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dp_accounting import dp_event
 
-from ..privacy.accountant import Budget, PrivacyLedger, split_budget
+from ..privacy.accountant import Budget, PrivacyLedger, advanced_epsilon, split_budget
 from ..privacy.budget import plan_releases
 from ..privacy.events import EpsilonDeltaDpEvent
 from ..privacy.mechanisms import Mechanism, gaussian_mechanism, truncated_laplace_mechanism
@@ -41,7 +43,7 @@ class StateSensitivity:
 
 def state_mechanism(params: DPAttentionParams, heads: int, sens: StateSensitivity) -> Mechanism:
     """The per-head noise of the kernelised state release."""
-    if params.state_mechanism == "gaussian":
+    if params.mechanism == "gaussian":
         if params.scope == "layer" and params.composition in ("pld", "rdp"):
             ledger = plan_releases(params.total, heads, "gaussian", params.composition, sens.l2, "state")
             return ledger.releases[0].mechanism
@@ -75,6 +77,47 @@ def tree_mechanism(budget: TreeBudget, node_sensitivity: float) -> Mechanism:
     )
 
 
+def composed_ledger(releases: Sequence[tuple[Mechanism, int]], composition: str) -> PrivacyLedger:
+    """A ledger of ``count`` releases of each ``(mechanism, count)`` composed with ``composition``,
+    reporting epsilon at the delta the plan set aside: the summed delta of Gaussian releases
+    calibrated jointly under pld/rdp and of basic composition, twice it otherwise (advanced
+    composition and PLD of (eps, delta) releases need slack above k delta; the split gave them
+    delta/(2k) each). Identical releases are merged; advanced composition of different releases
+    composes the largest (eps, delta) of them (it covers each)."""
+    merged: list[tuple[Mechanism, int]] = []
+    for mechanism, count in releases:
+        same = next((i for i, (m, _) in enumerate(merged) if m.dp_event == mechanism.dp_event), None)
+        if same is None:
+            merged.append((mechanism, count))
+        else:
+            merged[same] = (merged[same][0], merged[same][1] + count)
+    if composition == "advanced" and len(merged) > 1:
+        eps, delta = max(m.epsilon for m, _ in merged), max(m.delta for m, _ in merged)
+        widest = dataclasses.replace(merged[0][0], epsilon=eps, delta=delta, dp_event=EpsilonDeltaDpEvent(eps, delta))
+        merged = [(widest, sum(c for _, c in merged))]
+    gaussian = all(isinstance(m.dp_event, dp_event.GaussianDpEvent) for m, _ in merged)
+    joint = composition == "basic" or (gaussian and composition in ("pld", "rdp"))
+    target = min((1.0 if joint else 2.0) * sum(m.delta * c for m, c in merged), 0.5)
+    ledger = PrivacyLedger(composition, target_delta=target)
+    for mechanism, count in merged:
+        ledger.record(mechanism, count, "kv head")
+    return ledger
+
+
+def composed_spend(releases: Sequence[tuple[Mechanism, int]], composition: str) -> Budget:
+    """The (eps, delta) ``composed_ledger`` reports. Under pld, k identical (eps, delta) releases
+    (no finer curve known) report the smaller of two valid bounds at the same delta: the PLD
+    accountant's (its discretisation rounds up) and the optimal advanced composition theorem
+    (which ``split_budget`` calibrated them with)."""
+    ledger = composed_ledger(releases, composition)
+    spent = ledger.spent()
+    (only, *more) = ledger.releases
+    if composition == "pld" and not more and isinstance(only.mechanism.dp_event, EpsilonDeltaDpEvent):
+        theorem = advanced_epsilon(only.mechanism.epsilon, only.mechanism.delta, only.count, ledger.target_delta)
+        spent = Budget(min(spent.epsilon, theorem), spent.delta)
+    return spent
+
+
 @dataclass(frozen=True)
 class AttentionAccount:
     """``per_head`` release composed over ``heads`` KV heads per layer and ``layers`` layers."""
@@ -84,18 +127,9 @@ class AttentionAccount:
     composition: str
 
     def spent(self, layers: int = 1) -> Budget:
-        """Total (eps, delta) of ``layers`` layers (1 = one layer). Gaussian releases under
-        pld/rdp report eps at the summed delta; (eps, delta) releases at twice it (PLD of
-        truncated releases needs room above k delta)."""
-        return self._ledger(self.heads * layers).spent()
-
-    def _ledger(self, count: int) -> PrivacyLedger:
-        gaussian = isinstance(self.per_head.dp_event, dp_event.GaussianDpEvent)
-        slack = 1.0 if gaussian or self.composition == "basic" else 2.0
-        target = min(slack * count * self.per_head.delta, 0.5)
-        ledger = PrivacyLedger(self.composition, target_delta=target)
-        ledger.record(self.per_head, count, "kv head")
-        return ledger
+        """Total (eps, delta) of ``layers`` layers (1 = one layer), as ``composed_ledger``
+        reports it."""
+        return composed_spend([(self.per_head, self.heads * layers)], self.composition)
 
     def report(self, layers: int | None = None) -> str:
         lines = [f"per KV head: {self.per_head.statement()}"]

@@ -28,14 +28,18 @@ class DPAttentionParams:
     ``tree`` the vectorised DPTree (spec 10.3 Mode B); ``reference`` Alg. 1-7 literally (oracle).
     ``features``: ``taylor`` (degree ``degree`` or the smallest meeting ``kernel_error``) or
     ``prf`` (``num_random_features`` from public ``feature_seed``).
-    ``state_mechanism``: Gaussian (l2 sensitivity) or truncated Laplace (corrected TrLaplace
-    calibration of the l1/linf sensitivities, trlaplace spec S10).
+    ``mechanism``: the state's noise, Gaussian (l2 sensitivity) or truncated Laplace (corrected
+    TrLaplace calibration of the l1/linf sensitivities, trlaplace spec S10); rdp composition
+    takes the Gaussian only.
     ``clamp``: post-process each denominator into ``[n e^{-T}, n e^{T}]`` and outputs into
     ``[-R_w, R_w]`` (spec A19/A20); off is paper-literal (Alg. 1 divides blindly).
     ``query_dtype``: precision of the state mode's query-side features and contraction (the
     release itself is always sampled and stored in float64; tree/reference query in float64
     because of the P_wx/Value cancellation, spec 10.3).
     ``max_context``: longest private context accepted; ``memory_limit_bytes`` caps the tree table.
+
+    Serving builds these from ``config.AttentionPrivacyConfig`` (``attention.plan.attention_params``,
+    the one translation): every field both have carries the same name and default there.
     """
 
     epsilon: float
@@ -45,15 +49,15 @@ class DPAttentionParams:
     composition: Literal["basic", "advanced", "pld", "rdp"] = "pld"
     features: Literal["taylor", "prf"] = "taylor"
     degree: int | None = None
-    kernel_error: float = 0.1
+    kernel_error: float = 0.01
     max_features: int = 20_000
     num_random_features: int = 256
     feature_seed: int = 0
-    state_mechanism: Literal["gaussian", "truncated_laplace"] = "gaussian"
+    mechanism: Literal["gaussian", "truncated_laplace"] = "gaussian"
     clamp: bool = True
     query_dtype: Literal["float32", "float64"] = "float32"
     tree: TreeParams = field(default_factory=TreeParams)
-    max_context: int = 1 << 17
+    max_context: int = 32_768
     memory_limit_bytes: int = 16 << 30
 
     def __post_init__(self) -> None:
@@ -63,7 +67,7 @@ class DPAttentionParams:
         _choice("scope", self.scope, ("head", "layer"))
         _choice("composition", self.composition, COMPOSITIONS)
         _choice("features", self.features, FEATURES)
-        _choice("state_mechanism", self.state_mechanism, STATE_MECHANISMS)
+        _choice("mechanism", self.mechanism, STATE_MECHANISMS)
         _choice("query_dtype", self.query_dtype, ("float32", "float64"))
         if self.degree is not None and (not isinstance(self.degree, int) or self.degree < 0):
             raise ValueError(f"degree must be an integer >= 0 or None, got {self.degree!r}")
@@ -72,7 +76,7 @@ class DPAttentionParams:
         check_count(self.num_random_features, "num_random_features")
         check_count(self.max_context, "max_context")
         check_count(self.memory_limit_bytes, "memory_limit_bytes")
-        if self.composition == "rdp" and self.state_mechanism == "truncated_laplace":
+        if self.composition == "rdp" and self.mechanism == "truncated_laplace":
             raise ValueError("rdp accounting supports the Gaussian state only; use pld or advanced")
 
     @staticmethod

@@ -1,52 +1,83 @@
-"""From the typed ``dp_privacy.attention`` config and a model's shape to what serving releases.
+"""The one path from the typed ``dp_privacy.attention`` config and a model's shape to a release.
 
-``ContextPlan`` is public: the parameters, the per-layer public head mappings (from a
-calibration file or explicit bounds, never from the private context) and the accounting of one
-private context over the whole model. Serving's workers build releases from it; the API
-server reports it (``/v1/dp/budget``, start-up log).
+* ``attention_params``: the one translation of the config section into ``DPAttentionParams``
+  (the fields both have share names and defaults);
+* ``ModelShape``: the served model's attention geometry, from vLLM's config (serving) or from the
+  model's Hugging Face config (``vllm-dp account``), by the same rules;
+* ``ContextPlan``: one private context over the model: the per-layer parameters and public head
+  mappings (from a calibration file or explicit bounds, never from the private context), each
+  (layer, KV head) release and what it spends (mode, noise calibration, ``releases_per_head``);
+* ``ContextPlan.report()``: the privacy statement; ``context_reports`` gives every served
+  context's. ``GET /v1/dp/budget`` returns them and ``vllm-dp account`` prints them: one statement.
+
+Serving's workers build their releases from the same plan (``ContextPlan.layer``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
+from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ..config import AttentionPrivacyConfig, ConfigError
-from .accounting import AttentionAccount
+from ..privacy.accountant import Budget
+from ..privacy.mechanisms import Mechanism
+from .accounting import composed_spend, head_budget
+from .calibration_file import Calibration, CalibrationError
 from .features import taylor_degree, taylor_kernel_error
 from .mapping import HeadMapping
 from .params import DPAttentionParams
 from .private_context import HeadLayout, PrivateContextLayer
 
-KINDS = ("self_attention", "cross_attention")
 MAX_DEGREE = 64
+MAX_PLANS = 64  # ContextPlan.of's cache (serving: one per context, kind and softmax scale)
+UNIT = "one private K/V row of one attention layer (replace-one neighbours)"
+ENCODER_CONTEXT = "each request's encoder output (one release per request)"
+ENCODER_POSITIONS = 1500  # Whisper's max_source_positions, when a config does not say
+# The config fields that are DPAttentionParams fields (same name, same default, same meaning).
+SHARED_FIELDS = tuple(
+    f.name for f in dataclasses.fields(DPAttentionParams)
+    if f.name in {g.name for g in dataclasses.fields(AttentionPrivacyConfig)}
+)
 
 
-def attention_params(cfg: AttentionPrivacyConfig) -> DPAttentionParams:
-    """The per-layer ``DPAttentionParams`` whose (eps, delta) is the whole model's total
-    (``scope="layer"``: split over every (layer, KV head) release by ``composition``)."""
-    return DPAttentionParams(
-        epsilon=cfg.epsilon,
-        delta=cfg.delta,
-        mode=cfg.mode,
-        scope="layer",
-        composition=cfg.composition,
-        features=cfg.features,
-        degree=cfg.degree,
-        kernel_error=cfg.kernel_error,
-        max_features=cfg.max_features,
-        num_random_features=cfg.num_random_features,
-        state_mechanism=cfg.mechanism,
-        max_context=cfg.max_context,
-    )
+def attention_params(cfg: AttentionPrivacyConfig, budget_heads: int) -> DPAttentionParams:
+    """The per-layer ``DPAttentionParams`` of ``cfg``: its shared fields as they are, with the
+    whole model's (eps, delta) split over ``budget_heads`` (layer, KV head) releases by
+    ``composition`` (``scope="layer"``).
+
+    The DPTree (modes ``tree``, ``reference``) spends its advanced-composition slack delta' on top
+    of its head's delta; it is carved out of the configured delta: the head's tree gets half the
+    delta it would get, and delta' (of which the cascade spends delta'/2) the head's whole share,
+    so each head spends at most 5/6 of its share and the model at most the configured delta."""
+    params = DPAttentionParams(**{name: getattr(cfg, name) for name in SHARED_FIELDS}, scope="layer")
+    if params.mode == "state":
+        return params
+    share = head_budget(params, budget_heads).delta  # one (layer, KV head)'s delta
+    tree = dataclasses.replace(params.tree, delta_prime=share)
+    return dataclasses.replace(params, delta=params.delta / 2, tree=tree)
+
+
+def release_rules(cfg: AttentionPrivacyConfig) -> int | None:
+    """The version of the rules by which ``attention_params`` and ``ContextPlan`` turn ``cfg``
+    into releases, where they differ from the first (None: releases are planned as they always
+    were). Part of each release's identity (``settings.release_inputs``): a configuration planned
+    under other rules draws other keyed noise, never the same noise at another scale (which two
+    releases could cancel). 2: the DPTree's delta' is carved out of the budget and
+    ``releases_per_head`` splits it. Bump it (and widen the condition) when a rule changes."""
+    return 2 if cfg.mode != "state" or cfg.releases_per_head != 1 else None
 
 
 def layer_mapping(cfg: AttentionPrivacyConfig, kind: str, layer: int, beta: float) -> HeadMapping:
-    """The public head mapping of ``layer`` (``kind`` in ``KINDS``) with logit scale ``beta``
-    (the served layer's softmax scale; a calibration made for another scale is refused)."""
+    """The public head mapping of ``layer`` (``kind``: a ``calibration_file.KINDS`` entry) with
+    logit scale ``beta`` (the served layer's softmax scale; a calibration made for another scale
+    is refused)."""
     if cfg.bounds is not None:
         return HeadMapping(beta=beta, **cfg.bounds)
     if cfg.calibration is None:
@@ -54,7 +85,10 @@ def layer_mapping(cfg: AttentionPrivacyConfig, kind: str, layer: int, beta: floa
             "attention: DP attention needs public bounds: set `calibration` (a file from "
             "`vllm-dp calibrate MODEL --out FILE`) or explicit `bounds`"
         )
-    mapping = _calibration(cfg.calibration).mapping(kind, layer)
+    try:
+        mapping = _calibration(cfg.calibration).mapping(kind, layer)
+    except KeyError as exc:
+        raise ConfigError(f"attention.calibration {cfg.calibration}: {exc.args[0]}") from None
     if abs(mapping.beta - beta) > 1e-6 * beta:
         raise ConfigError(
             f"attention.calibration {cfg.calibration}: {kind} layer {layer} was calibrated with "
@@ -69,10 +103,86 @@ def _finite(x: float) -> float | None:
 
 
 @functools.lru_cache(maxsize=4)
-def _calibration(path: str):
-    from ..calibration import Calibration
+def _calibration(path: str) -> Calibration:
+    try:
+        return Calibration.from_file(path)
+    except (OSError, CalibrationError) as exc:
+        raise ConfigError(
+            f"attention.calibration: cannot read {path!r} ({exc}); create it with "
+            "`vllm-dp calibrate MODEL --out FILE` (`vllm-dp serve` does when it is missing)"
+        ) from None
 
-    return Calibration.from_file(path)
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Attention geometry of the served model (global, before tensor parallelism).
+
+    ``self_layers``: decoder (self-)attention layers; ``cross_layers``: cross-attention layers
+    (encoder-decoder models, else 0); ``scale``: the softmax scale (``query_pre_attn_scalar``
+    replaces the head size where a model has one); ``encoder_positions``: rows of one encoder
+    output (encoder-decoder models: each request's private context)."""
+
+    self_layers: int
+    cross_layers: int
+    total_kv_heads: int
+    total_query_heads: int
+    head_dim: int
+    scale: float
+    is_encoder_decoder: bool
+    encoder_positions: int | None = None
+
+    @staticmethod
+    def of(vllm_config) -> ModelShape:
+        """From vLLM's ``VllmConfig`` (its model config's own accessors)."""
+        model_config, parallel = vllm_config.model_config, vllm_config.parallel_config
+        tp = parallel.tensor_parallel_size
+        head_dim = model_config.get_head_size()
+        return ModelShape._of(
+            model_config.hf_config, model_config.hf_text_config,
+            layers=model_config.get_total_num_hidden_layers(),
+            kv_heads=model_config.get_total_num_kv_heads(),
+            query_heads=model_config.get_num_attention_heads(parallel) * tp,
+            head_dim=head_dim,
+            enc_dec=bool(getattr(model_config, "is_encoder_decoder", False)),
+        )
+
+    @staticmethod
+    def from_pretrained(model: str | Path) -> ModelShape:
+        """From a Hugging Face model (a directory, or a name in the local cache) without vLLM:
+        the attributes vLLM's accessors read for standard attention models."""
+        from transformers import AutoConfig
+
+        try:
+            hf_config = AutoConfig.from_pretrained(str(model))
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"cannot read the model configuration of {str(model)!r}: {exc}") from None
+        text = getattr(hf_config, "text_config", None) or hf_config
+        query_heads = text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // query_heads
+        kv_heads = next((getattr(text, name) for name in ("num_key_value_heads", "num_kv_heads", "n_head_kv")
+                         if getattr(text, name, None) is not None), query_heads)
+        return ModelShape._of(
+            hf_config, text, layers=text.num_hidden_layers, kv_heads=kv_heads, query_heads=query_heads,
+            head_dim=head_dim, enc_dec=bool(getattr(hf_config, "is_encoder_decoder", False)),
+        )
+
+    @staticmethod
+    def _of(hf_config, text_config, *, layers, kv_heads, query_heads, head_dim, enc_dec) -> ModelShape:
+        scalar = getattr(text_config, "query_pre_attn_scalar", None) or head_dim
+        return ModelShape(
+            self_layers=layers,
+            cross_layers=layers if enc_dec else 0,
+            total_kv_heads=kv_heads,
+            total_query_heads=query_heads,
+            head_dim=head_dim,
+            scale=float(scalar) ** -0.5,
+            is_encoder_decoder=enc_dec,
+            encoder_positions=getattr(hf_config, "max_source_positions", ENCODER_POSITIONS) if enc_dec else None,
+        )
+
+    def layers(self, kind: str) -> int:
+        """How many layers of ``kind`` see the private context."""
+        return self.cross_layers if kind == "cross_attention" else self.self_layers
 
 
 @dataclass(frozen=True)
@@ -89,14 +199,44 @@ class ContextPlan:
     beta: float
     context_len: int
 
-    @property
-    def params(self) -> DPAttentionParams:
-        return attention_params(self.cfg)
+    def __post_init__(self) -> None:
+        for key, given, served in (("num_layers", self.cfg.num_layers, self.layers),
+                                   ("num_kv_heads", self.cfg.num_kv_heads, self.total_kv_heads)):
+            if given is not None and given != served:
+                raise ConfigError(
+                    f"attention.{key} is {given} but the served model has {served} ({self.kind}); "
+                    "leave it out (it is read from the model) or correct it"
+                )
+        if self.context_len > self.cfg.max_context:
+            raise ConfigError(
+                f"attention.max_context: a private context of {self.context_len} rows exceeds "
+                f"max_context={self.cfg.max_context}"
+            )
+
+    @staticmethod
+    def of(cfg: AttentionPrivacyConfig, shape: ModelShape, kind: str, context_len: int,
+           scale: float | None = None) -> ContextPlan:
+        """The plan of a context of ``context_len`` rows for ``shape``'s ``kind`` layers;
+        ``scale``: the served layer's softmax scale (default: the model's). One object per
+        process and distinct arguments: its per-layer releases are planned once."""
+        scale = shape.scale if scale is None else scale
+        key = (json.dumps(dataclasses.asdict(cfg)), shape, kind, context_len, scale)
+        if key not in _PLANS:
+            _PLANS[key] = ContextPlan(cfg, kind, shape.layers(kind), shape.total_kv_heads,
+                                      shape.total_query_heads, shape.head_dim, scale, context_len)
+        _PLANS.move_to_end(key)
+        while len(_PLANS) > MAX_PLANS:
+            _PLANS.popitem(last=False)
+        return _PLANS[key]
 
     @property
     def budget_heads(self) -> int:
-        """Per-(layer, KV head) releases sharing the total budget."""
-        return self.layers * self.total_kv_heads
+        """Per-(layer, KV head) releases sharing the total budget: ``releases_per_head`` of each."""
+        return self.layers * self.total_kv_heads * self.cfg.releases_per_head
+
+    @functools.cached_property
+    def params(self) -> DPAttentionParams:
+        return attention_params(self.cfg, self.budget_heads)
 
     def layer_params(self, index: int) -> DPAttentionParams:
         """Layer ``index``'s parameters; Taylor features without an explicit ``degree`` get the
@@ -138,30 +278,77 @@ class ContextPlan:
             self.budget_heads,
         )
 
-    def account(self) -> AttentionAccount:
-        """What one private context spends (per head -> per layer -> whole model)."""
+    @functools.cached_property
+    def mechanisms(self) -> tuple[Mechanism, ...]:
+        """Each layer's per-(KV head) release (public: bounds, parameters, context length)."""
         heads = HeadLayout(1, self.total_query_heads // self.total_kv_heads, 0, self.total_kv_heads)
-        mechanism = self.layer(0, heads).planned_mechanism()
-        return AttentionAccount(mechanism, self.total_kv_heads, self.params.composition)
+        return tuple(self.layer(i, heads).planned_mechanism() for i in range(self.layers))
+
+    def spent(self, releases_per_head: int = 1) -> Budget:
+        """What ``releases_per_head`` releases of this context spend: every layer's per-head
+        release, ``total_kv_heads x releases_per_head`` times, composed with ``composition``.
+        One (the default) is what one deployment's release spends (the release ledger's entry)."""
+        count = self.total_kv_heads * releases_per_head
+        return composed_spend([(m, count) for m in self.mechanisms], self.params.composition)
 
     def report(self) -> dict[str, Any]:
-        """JSON-ready privacy statement of one private context (the guarantee and its unit)."""
-        account = self.account()
-        total = account.spent(self.layers)
-        head = account.per_head
+        """JSON-ready privacy statement of one private context (the guarantee and its unit):
+        ``per_release`` states every (layer, KV head) release (the largest over layers),
+        ``spent`` what one release of the context spends (``releases`` of them), ``planned``
+        what ``releases_per_head`` releases of it spend (within ``budget``)."""
+        mechanisms, per_head = self.mechanisms, self.cfg.releases_per_head
+        spent = self.spent()
+        planned = spent if per_head == 1 else self.spent(per_head)
         return {
             "mode": self.cfg.mode,
             "kind": self.kind,
-            "unit": "one private K/V row of one attention layer (replace-one neighbours)",
+            "unit": UNIT,
             "context_tokens": self.context_len,
             "layers": self.layers,
             "kv_heads": self.total_kv_heads,
-            "releases": self.budget_heads,
+            "releases": self.layers * self.total_kv_heads,
+            "releases_per_head": per_head,
             "composition": self.params.composition,
-            "per_release": {"epsilon": head.epsilon, "delta": head.delta, "mechanism": head.name},
-            "spent": {"epsilon": total.epsilon, "delta": total.delta},
+            "per_release": {
+                "epsilon": max(m.epsilon for m in mechanisms),
+                "delta": max(m.delta for m in mechanisms),
+                "mechanism": ", ".join(dict.fromkeys(m.name for m in mechanisms)),
+            },
+            "spent": {"epsilon": spent.epsilon, "delta": spent.delta},
+            "planned": {"releases": self.budget_heads, "epsilon": planned.epsilon, "delta": planned.delta},
+            "noise_std": [math.sqrt(m.variance) for m in mechanisms],
             "logit_bound": [self.logit_bound(i) for i in range(self.layers)],
             "taylor_degree": [self.layer_params(i).degree for i in range(self.layers)],
             "kernel_error": [_finite(self.kernel_error(i)) for i in range(self.layers)],
             "budget": {"epsilon": self.cfg.epsilon, "delta": self.cfg.delta},
         }
+
+
+_PLANS: OrderedDict[tuple, ContextPlan] = OrderedDict()
+
+
+def check_model(cfg: AttentionPrivacyConfig, shape: ModelShape) -> None:
+    """Refuse private contexts a model cannot serve: operator-given contexts are for decoder-only
+    models (an encoder-decoder model's private context is each request's encoder output), and a
+    decoder-only model needs one."""
+    if shape.is_encoder_decoder and cfg.serves_context:
+        raise ConfigError(
+            "attention.private_context and attention.contexts are for decoder-only models; in "
+            "encoder-decoder models the encoder output of each request is the private context"
+        )
+    if not shape.is_encoder_decoder and not cfg.serves_context:
+        raise ConfigError(
+            "attention.private_context (a text file) or attention.contexts (named files) is "
+            "required for decoder-only models"
+        )
+
+
+def context_reports(cfg: AttentionPrivacyConfig, shape: ModelShape, lengths: Mapping[str, int]) -> list[dict]:
+    """The statement (``ContextPlan.report``) of every private context a model serves, in order:
+    decoder-only models one per named context (``lengths``: name -> tokens), encoder-decoder
+    models one for each request's encoder output. Pure: config, shape and lengths only."""
+    check_model(cfg, shape)
+    if shape.is_encoder_decoder:
+        report = ContextPlan.of(cfg, shape, "cross_attention", shape.encoder_positions).report()
+        return [{**report, "context": ENCODER_CONTEXT}]
+    return [{"name": name, **ContextPlan.of(cfg, shape, "self_attention", n).report()} for name, n in lengths.items()]

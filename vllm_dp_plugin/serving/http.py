@@ -51,7 +51,6 @@ from .settings import (
     check_prompt_serving,
     dp_config,
     private_contexts,
-    prompt_payload,
 )
 from .verify import LAYER_REPORT, check_layers
 
@@ -293,9 +292,7 @@ class DPPrivacyEndpoints:
         check_request_logging(args)
         if cfg.attention is not None:
             await verify_engine(engine_client, vllm_config)
-        state.dp_budget = budget_payload(vllm_config)
-        if cfg.prompt is not None:
-            state.dp_budget["prompt"] = prompt_payload(cfg.prompt)
+        state.dp_budget = budget_payload(vllm_config)  # prompt privatization's statement included
         state.dp_guard = "context" in features
         if state.dp_guard:
             state.dp_contexts = tuple(c.name for c in private_contexts(vllm_config))

@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from ..config import CONFIG_KEY, ConfigError, DPPrivacyConfig
+from ..config import CONFIG_KEY, ConfigError, parse_section, section_from_file
 from .settings import PLUGIN_NAME, TOKENIZER_MODE
 from .vllm_compat import install_version_shim
 
@@ -34,23 +34,11 @@ def allow_plugin() -> None:
 
 
 def resolved_config(path: str | Path) -> dict:
-    """The ``dp_privacy`` section of a YAML/JSON file, validated, with file paths made absolute
-    relative to the file (so the server can run from any directory)."""
-    DPPrivacyConfig.from_file(path)  # validates; raises ConfigError naming the key
-    import yaml
-
-    raw = yaml.safe_load(Path(path).read_text())
-    raw = raw.get(CONFIG_KEY, raw) if isinstance(raw, dict) else raw
-    base = Path(path).resolve().parent
-    for name in ("key_file", "ledger_file"):
-        if raw.get(name) is not None:
-            raw[name] = str(base / raw[name])
-    att = raw.get("attention") or {}
-    for name in ("private_context", "calibration", "contexts"):
-        if isinstance(att.get(name), str):
-            att[name] = str(base / att[name])
-    if isinstance(att.get("contexts"), dict):
-        att["contexts"] = {name: str(base / path) for name, path in att["contexts"].items()}
+    """The ``dp_privacy`` section of a YAML/JSON file, validated (``ConfigError`` naming the
+    key), with file paths made absolute relative to the file (so the server can run from any
+    directory)."""
+    raw = section_from_file(path)
+    parse_section(raw)
     return raw
 
 
@@ -142,7 +130,7 @@ def serve_arguments(argv: list[str], dp_config: str | None) -> list[str]:
     raw = resolved_config(dp_config)
     flags = ["--additional-config", json.dumps({CONFIG_KEY: raw})]
     att, prompt = raw.get("attention") or {}, raw.get("prompt")
-    typed = DPPrivacyConfig.from_dict(raw).attention
+    typed = parse_section(raw).attention  # parsed once (resolved_config): the cached object
     context = typed is not None and typed.serves_context
     if context:
         check_context_options(argv)

@@ -1,20 +1,37 @@
 """The served ``dp_privacy`` configuration, read once per process from vLLM's config.
 
 Every process (API server, engine core, workers) sees ``--additional-config`` through
-``VllmConfig.additional_config``; this module turns it into the typed ``DPPrivacyConfig`` plus
-what the model contributes (its attention shape, the private contexts' tokens).
+``VllmConfig.additional_config``; this module turns it into the typed ``DPPrivacyConfig`` (parsed
+and validated once per process: ``config.parse_section``) plus what the model contributes (its
+attention shape, the private contexts' tokens). ``budget_statement`` is the privacy statement
+from public inputs only: ``GET /v1/dp/budget`` returns it (with each context's keyed label and
+ledger) and ``vllm-dp account`` prints it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ..attention.plan import ContextPlan
-from ..config import CONFIG_KEY, ConfigError, DPPrivacyConfig
+from ..attention.plan import (
+    UNIT,
+    ContextPlan,
+    ModelShape,
+    check_model,
+    context_reports,
+    release_rules,
+)
+from ..config import (
+    CONFIG_KEY,
+    ConfigError,
+    DPPrivacyConfig,
+    config_from_json,
+    parse_section,
+    section_json,
+)
 from ..privacy.keyed_noise import NoiseKey
 from ..privacy.release_ledger import ReleaseLedger
 from .context import (
@@ -31,48 +48,19 @@ PLUGIN_NAME = "dp_privacy"  # entry-point name in every vLLM plugin group we use
 
 
 def dp_config(vllm_config) -> DPPrivacyConfig:
-    """The validated ``dp_privacy`` section (an empty config, i.e. DP off, when absent)."""
-    raw = (getattr(vllm_config, "additional_config", None) or {}).get(CONFIG_KEY)
-    return DPPrivacyConfig.from_dict(raw or {})
+    """The validated ``dp_privacy`` section (an empty config, i.e. DP off, when absent), parsed
+    once per process and section (every call after the first returns the same object)."""
+    return parse_section(_raw_section(vllm_config))
 
 
 def raw_config_json(vllm_config) -> str:
     """The raw section as JSON, in the order given (the first of ``attention.contexts`` is the
-    default context)."""
-    raw = (getattr(vllm_config, "additional_config", None) or {}).get(CONFIG_KEY) or {}
-    return json.dumps(raw)
+    default context): what identifies the configuration (cache keys)."""
+    return section_json(_raw_section(vllm_config))
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    """Attention geometry of the served model (global, before tensor parallelism)."""
-
-    self_layers: int
-    cross_layers: int
-    total_kv_heads: int
-    total_query_heads: int
-    head_dim: int
-    scale: float
-    is_encoder_decoder: bool
-
-    @staticmethod
-    def of(vllm_config) -> ModelShape:
-        model_config, parallel = vllm_config.model_config, vllm_config.parallel_config
-        tp = parallel.tensor_parallel_size
-        enc_dec = bool(getattr(model_config, "is_encoder_decoder", False))
-        layers = model_config.get_total_num_hidden_layers()
-        head_dim = model_config.get_head_size()
-        # the softmax scale: a query pre-attention scalar (Gemma) replaces the head size
-        scalar = getattr(model_config.hf_text_config, "query_pre_attn_scalar", None) or head_dim
-        return ModelShape(
-            self_layers=layers,
-            cross_layers=layers if enc_dec else 0,
-            total_kv_heads=model_config.get_total_num_kv_heads(),
-            total_query_heads=model_config.get_num_attention_heads(parallel) * tp,
-            head_dim=head_dim,
-            scale=float(scalar) ** -0.5,
-            is_encoder_decoder=enc_dec,
-        )
+def _raw_section(vllm_config):
+    return (getattr(vllm_config, "additional_config", None) or {}).get(CONFIG_KEY)
 
 
 def check_rust_frontend() -> None:
@@ -102,18 +90,9 @@ def check_serving(vllm_config, cfg: DPPrivacyConfig) -> None:
     check_rust_frontend()
     att = cfg.attention
     model_config = vllm_config.model_config
-    enc_dec = bool(getattr(model_config, "is_encoder_decoder", False))
-    if enc_dec and att.serves_context:
-        raise ConfigError(
-            "attention.private_context and attention.contexts are for decoder-only models; in "
-            "encoder-decoder models the encoder output of each request is the private context"
-        )
-    if not enc_dec:
-        if not att.serves_context:
-            raise ConfigError(
-                "attention.private_context (a text file) or attention.contexts (named files) is "
-                "required for decoder-only models"
-            )
+    shape = ModelShape.of(vllm_config)
+    check_model(att, shape)
+    if not shape.is_encoder_decoder:
         key = att.context_key()
         if model_config.tokenizer_mode != TOKENIZER_MODE:
             raise ConfigError(
@@ -202,6 +181,9 @@ def release_inputs(cfg: DPPrivacyConfig, served: ServedModel) -> dict:
         attention.pop(name)
     if attention["calibration"] is not None:
         attention["calibration"] = file_digest(attention["calibration"])
+    rules = release_rules(cfg.attention)
+    if rules is not None:  # planned under other rules than the same configuration used to be
+        attention["rules"] = rules
     return {
         "weights": weights_digest(served.model, served.revision),
         "dtype": served.dtype,
@@ -227,7 +209,7 @@ def private_contexts(vllm_config) -> tuple[PrivateContext, ...]:
 
 @functools.lru_cache(maxsize=4)
 def _private_contexts(raw_json: str, served: ServedModel) -> tuple[PrivateContext, ...]:
-    cfg = DPPrivacyConfig.from_dict(json.loads(raw_json))
+    cfg = config_from_json(raw_json)
     att, key = cfg.attention, NoiseKey(cfg.key_file)
     inputs = release_inputs(cfg, served)
     contexts = []
@@ -247,19 +229,7 @@ def _private_contexts(raw_json: str, served: ServedModel) -> tuple[PrivateContex
 def context_plan(vllm_config, kind: str, context_len: int, scale: float | None = None) -> ContextPlan:
     """The public plan of one private context of ``context_len`` rows for ``kind`` layers;
     ``scale``: the served layer's softmax scale (default: the model's, ``ModelShape.scale``)."""
-    cfg = dp_config(vllm_config).attention
-    shape = ModelShape.of(vllm_config)
-    layers = shape.cross_layers if kind == "cross_attention" else shape.self_layers
-    return ContextPlan(
-        cfg,
-        kind,
-        layers,
-        shape.total_kv_heads,
-        shape.total_query_heads,
-        shape.head_dim,
-        shape.scale if scale is None else scale,
-        context_len,
-    )
+    return ContextPlan.of(dp_config(vllm_config).attention, ModelShape.of(vllm_config), kind, context_len, scale)
 
 
 def register_release(vllm_config) -> None:
@@ -268,10 +238,9 @@ def register_release(vllm_config) -> None:
     att = dp_config(vllm_config).attention
     ledger = release_ledger(vllm_config)
     for context in private_contexts(vllm_config):
-        plan = context_plan(vllm_config, "self_attention", context.length)
-        spent = plan.account().spent(plan.layers)
+        spent = context_plan(vllm_config, "self_attention", context.length).spent()
         try:
-            ledger.register(context.identity.subject, context.identity.release, spent, plan.report()["unit"],
+            ledger.register(context.identity.subject, context.identity.release, spent, UNIT,
                             allow_rerelease=att.allow_rerelease)
         except RuntimeError as exc:
             raise ConfigError(f"{att.context_key(context.name)}: {exc}") from None
@@ -283,26 +252,37 @@ CONTEXT_SCOPE = (
 )
 
 
+def budget_statement(cfg: DPPrivacyConfig, shape: ModelShape | None, lengths: Mapping[str, int]) -> dict:
+    """The privacy statement of a deployment from public inputs only (pure): the configuration,
+    the model's ``shape`` (None: DP attention off) and the private contexts' token counts
+    (``lengths``, name -> tokens, in order). DP attention: one ``ContextPlan.report()`` per
+    private context (``plan.context_reports``); prompt privatization: ``prompt_payload``.
+    ``GET /v1/dp/budget`` answers it with each context's keyed label and ledger added
+    (``budget_payload``); ``vllm-dp account`` prints it."""
+    payload: dict = {"enabled": cfg.attention is not None, "contexts": []}
+    if cfg.attention is not None:
+        payload["contexts"] = context_reports(cfg.attention, shape, lengths)
+        if not shape.is_encoder_decoder:
+            payload["scope"] = CONTEXT_SCOPE
+    if cfg.prompt is not None:
+        payload["prompt"] = prompt_payload(cfg.prompt)
+    return payload
+
+
 def budget_payload(vllm_config) -> dict:
-    """What ``GET /v1/dp/budget`` answers: DP off, or the statement per private context (name,
-    keyed label, tokens, per-release and spent budget, ledger)."""
+    """What ``GET /v1/dp/budget`` answers: ``budget_statement`` of the served model and contexts,
+    each decoder-only context with its keyed label (``context``) and release ``ledger``."""
     cfg = dp_config(vllm_config)
     if cfg.attention is None:
-        return {"enabled": False, "contexts": []}
+        return budget_statement(cfg, None, {})
     shape = ModelShape.of(vllm_config)
-    if shape.is_encoder_decoder:
-        frames = getattr(vllm_config.model_config.hf_config, "max_source_positions", 1500)
-        report = context_plan(vllm_config, "cross_attention", frames).report()
-        report["context"] = "each request's encoder output (one release per request)"
-        return {"enabled": True, "contexts": [report]}
-    ledger = release_ledger(vllm_config)
-    reports = []
-    for context in private_contexts(vllm_config):
-        report = {"name": context.name, **context_plan(vllm_config, "self_attention", context.length).report()}
+    contexts = () if shape.is_encoder_decoder else private_contexts(vllm_config)
+    payload = budget_statement(cfg, shape, {c.name: c.length for c in contexts})
+    ledger = release_ledger(vllm_config) if contexts else None
+    for report, context in zip(payload["contexts"], contexts, strict=False):
         report["context"] = f"private_context {context.identity.label}"
         report["ledger"] = ledger.history(context.identity.subject).to_json()
-        reports.append(report)
-    return {"enabled": True, "scope": CONTEXT_SCOPE, "contexts": reports}
+    return payload
 
 
 def prompt_payload(prompt_cfg) -> dict:
