@@ -7,7 +7,6 @@ import pytest
 import yaml
 
 from vllm_dp_plugin.attention.params import DPAttentionParams
-from vllm_dp_plugin.attention.plan import SHARED_FIELDS, attention_params
 from vllm_dp_plugin.cli import main
 from vllm_dp_plugin.config import (
     AttentionPrivacyConfig,
@@ -17,6 +16,7 @@ from vllm_dp_plugin.config import (
     section_from_file,
     section_json,
 )
+from vllm_dp_plugin.plan import SHARED_FIELDS, attention_params
 
 GOOD = {"attention": {"epsilon": 8.0, "delta": 1e-6, "num_layers": 2, "num_kv_heads": 2}}
 
@@ -137,7 +137,9 @@ def test_account_command_bad_config_exits_2(tmp_path, capsys):
 
 def test_example_config_is_valid():
     cfg = DPPrivacyConfig.from_file("examples/dp.yaml")
-    assert (cfg.attention.num_layers, cfg.attention.num_kv_heads) == (2, 2)
+    att = cfg.attention
+    assert (att.mode, att.mechanism, att.epsilon, att.delta, att.composition) == ("state", "gaussian", 8.0, 1e-6, "pld")
+    assert (att.num_layers, att.num_kv_heads) == (None, None)  # read from the model
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,7 @@
 """Public calibration of DP attention bounds (``vllm-dp calibrate``).
 
 DP attention over a private context needs, per attention layer, clipping bounds and a public key
-centre (``HeadMapping``, spec 10.2). They must come from PUBLIC inputs only: this module runs a
+centre (``HeadMapping``). They must come from PUBLIC inputs only: this module runs a
 Hugging Face model over public text (Python's bundled pydoc pages by default) or synthetic public
 audio (Whisper), captures every attention layer's inputs exactly as the attention kernel sees them
 (queries and keys after RoPE), and calls ``HeadMapping.calibrate`` on them.

@@ -49,7 +49,7 @@ class AttentionPrivacyConfig:
     ``mode``: ``state`` (noisy kernelised state; ``mechanism`` is its noise) or ``tree`` (DPTree).
     ``features``/``degree``/``kernel_error``/``max_features``/``num_random_features``/``mechanism``/
     ``composition``/``max_context``: the ``attention.params.DPAttentionParams`` fields of the same
-    names and defaults (``attention.plan.attention_params`` is the one translation).
+    names and defaults (``plan.attention_params`` is the one translation).
     Bounds come from public data only: ``calibration`` (a file from ``vllm-dp calibrate``) or
     explicit ``bounds`` (``key_bound``, ``query_bound``, ``value_bound`` and optional
     ``key_norm``/``query_norm``), exactly one of the two when serving.

@@ -16,7 +16,7 @@ def account_statement(config: DPPrivacyConfig, model: str | None) -> dict:
     directory, or a name in the local cache): what ``GET /v1/dp/budget`` will answer, less each
     context's keyed label and release ledger (they need the secret noise key). The contexts are
     tokenized with the model's tokenizer, as the server does."""
-    from .attention.plan import ModelShape
+    from .plan import ModelShape
     from .serving.settings import budget_statement
 
     if config.attention is None:

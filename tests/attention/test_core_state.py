@@ -1,5 +1,5 @@
 """DPCrossAttention in state mode: exactness without noise, the noise law, GQA, chunking,
-accounting and bad inputs (spec 9 D5, 10.6)."""
+accounting and bad inputs."""
 
 import math
 
@@ -55,7 +55,7 @@ def test_noise_free_state_equals_kernel_attention_which_tracks_softmax_within_ep
     assert ((att.query(q) - kernel_out).abs() <= noise[..., None] * (1 + kernel_out.abs())).all()
     logits = q @ k.transpose(1, 2) / D
     exact = torch.softmax(logits, -1) @ v
-    ref = torch.softmax(logits, -1) @ v.abs()  # A17: relative to D^-1 A |V|
+    ref = torch.softmax(logits, -1) @ v.abs()  # signed V: relative to D^-1 A |V|, not to |O|
     eps_s = att.kernel_error
     assert ((kernel_out - exact).abs() <= 2 * eps_s / (1 - eps_s) * ref + 1e-12).all()
 

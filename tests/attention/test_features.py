@@ -1,4 +1,4 @@
-"""Feature maps: exact Taylor identity, dimensions, degree rule, public bounds (spec 4.2, 10.6.4)."""
+"""Feature maps: exact Taylor identity, dimensions, degree rule, public bounds."""
 
 import math
 
@@ -61,7 +61,7 @@ def test_degree_rule_is_the_smallest_meeting_the_poisson_tail():
         target = 0.1 / 1.1
         assert stats.poisson.sf(s, t) <= target
         assert s == 0 or stats.poisson.sf(s - 1, t) > target
-    assert taylor_degree(1.0, 0.1, signed=False) == 2  # spec 4.2 size table (R = 1)
+    assert taylor_degree(1.0, 0.1, signed=False) == 2  # R = 1: T = beta d R^2 = 1
     assert taylor_degree(2.25, 0.1, signed=False) == 4  # R = 1.5
     assert taylor_degree(1.0, 0.1, signed=True) % 2 == 0
 

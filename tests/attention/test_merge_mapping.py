@@ -1,4 +1,4 @@
-"""Merging DP and exact attention parts; the public head mapping (spec 10.2)."""
+"""Merging DP and exact attention parts; the public head mapping."""
 
 import math
 

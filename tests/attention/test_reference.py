@@ -1,7 +1,8 @@
-"""Mode A (``reference``): the paper's Algorithms 1-7 against brute force and the spec's formulas.
+"""Mode A (``reference``): the paper's Algorithms 1-7 against brute force and closed forms.
 
 Noise-free checks inject all-zero node noise. Statistical checks use fixed seeds and tolerances
-derived from the sampling distribution of the estimator (spec 6 G.7 variance, 9 D3 bound).
+derived from the sampling distribution of the estimator (its exact variance and deterministic
+error bound: ``predicted_variance_and_bound``).
 """
 
 import math
@@ -42,7 +43,8 @@ def zero_softmax_noise(features: int, n_leaves: int):
 
 
 def kernel_plus_bias(u, w, v, lo, hi, n_leaves):
-    """spec 6 (G.7): noise-free DPTreeSoftmax = sum_j w_j u_j.v + the own-leaf bias
+    """Noise-free DPTreeSoftmax = sum_j w_j u_j.v + the own-leaf bias (own leaves are in no
+    sibling sum):
     1/2 sum_f [sum_{bin(u_jf)=b_f} w_j (u_jf - v_f)^2 - sum_{bin(u_jf)=b_0} w_j u_jf^2]."""
     bins = leaf0(u, lo, hi, n_leaves)  # [n, F]
     b_v = leaf0(v, lo, hi, n_leaves)  # [F]
@@ -57,7 +59,7 @@ def kernel_plus_bias(u, w, v, lo, hi, n_leaves):
 
 
 def test_figure_1_vector():
-    """spec 5.4: p = 1, y = 0, range [0, 1], N = 16, noise off -> 4.4."""
+    """The paper's Figure 1 example: p = 1, y = 0, range [0, 1], N = 16, noise off -> 4.4."""
     x = torch.tensor([0.1, 0.3, 0.3, 0.3, 0.4, 0.6, 0.7, 0.9, 0.9], dtype=F64)
     w = torch.tensor([2.2, 3.1, -2, -3, 2, 6, 0.5, -1, 1], dtype=F64)
     dist = DPTreeDistance(
@@ -210,7 +212,7 @@ def test_high_dim_noise_free_and_budget():
 
 @pytest.mark.parametrize("signed", [False, True])
 def test_softmax_noise_free_equals_kernel_plus_own_leaf_bias(signed):
-    """spec 6 (G.7): d = 3, s = 2, beta = 1/d, K, Q in [0, 1] (or [-1, 1] signed, 10.2.4b)."""
+    """d = 3, s = 2, beta = 1/d, K, Q in [0, 1] (or [-1, 1] for signed inputs)."""
     g = gen(7)
     d, n, r_w = 3, 37, 2.0
     fmap = TaylorFeatures(d, 2, 1.0 / d)
@@ -309,7 +311,12 @@ def node_mechanisms(case):
 
 
 def predicted_variance_and_bound(case):
-    """spec 6 G.7 per-copy variance and spec 9 D3 deterministic bound for query features v."""
+    """Exact per-copy variance of one DPTreeSoftmax answer and its deterministic error bound (TLap
+    noise is bounded, so the bound holds for every query at once) for query features v. With
+    h_f = bitlength(b_f XOR b_0) (the paths to v_f's leaf and to 0's differ in 2 h_f siblings),
+    node variances V_q / bounds B_q of moment q and L levels:
+    ``Var = 1/4 [sum_f (2 h_f V_2 + L v_f^4 V_0 + 4 L v_f^2 V_1) + L ||v||^4 V_sw]`` and
+    ``|noise| <= 1/2 [sum_f (2 h_f B_2 + L v_f^2 B_0 + 2 L |v_f| B_1) + L ||v||^2 B_sw]``."""
     levels = VAR_LEAVES.bit_length() - 1
     feature, sw = node_mechanisms(case)
     v = case["v"].tolist()
@@ -382,7 +389,7 @@ def test_variance_check_rejects_noise_scaled_by_1_1(small_softmax):
 
 
 def test_noise_present_and_bounded(small_softmax, generator_answers):
-    """Different seeds differ; |answer - noise-free| <= the D3 bound for every seed."""
+    """Different seeds differ; |answer - noise-free| <= the deterministic bound for every seed."""
     _, bound = predicted_variance_and_bound(small_softmax)
     errors = (generator_answers - small_softmax["truth"]).abs()
     assert generator_answers[0] != generator_answers[1]

@@ -1,5 +1,5 @@
 """Mode B (``tree``): TreeRelease against brute force, a literal explicit tree, the Mode A oracle,
-and the spec's exact noise variance (6, G.7) and deterministic bound (9, D3)."""
+and the exact noise variance and deterministic error bound of one answer."""
 
 import math
 
@@ -169,7 +169,7 @@ def test_noise_free_equals_brute_force(copies, sw_hi):
     assert answers.shape == (H, m, dv + 1) and answers.dtype == F64
     expected = brute_force(pk, weights, pq, spec)
     assert_answers_close(answers, expected, 1e-12)
-    # spec 6 (G.7): = sum_j w_j P(x_j).v + own-leaf bias (s_w = sum_j w_j when 1 and 0 part)
+    # noise-free: = sum_j w_j P(x_j).v + own-leaf bias (s_w = sum_j w_j when 1 and 0 part)
     if sw_hi == 1.0:
         own_v = leaf(pk[:, None], LO, HI, N) == leaf(pq[:, :, None], LO, HI, N)  # [H, m, n, F]
         own_0 = leaf(pk, LO, HI, N) == leaf(torch.zeros(3, dtype=F64), LO, HI, N)  # [H, n, F]
@@ -308,7 +308,8 @@ def tlap_excess_kurtosis(ratio: float) -> float:
 
 def test_sampled_noise_variance_and_bound():
     """K i.i.d. releases (as K heads over identical data, one build); per (query, column) the
-    empirical variance of answer - noise-free answer vs spec 6 (G.7):
+    empirical variance of answer - noise-free answer vs the exact variance (h_f =
+    bitlength(b_f XOR b_0): the paths to v_f's leaf and to 0's differ in 2 h_f siblings):
     Var = 1/4 [sum_f (2 h_f V_2 + L v_f^4 V_0 + 4 L v_f^2 V_1) + |v|^4 L V^sw_2],
     tolerance 5 standard errors: Var(s^2) ~ (mu_4 - s^4)/K with mu_4 <= (3 + kappa+) s^4 for a
     linear combination of independent symmetric terms of excess kurtosis <= kappa."""
@@ -344,7 +345,7 @@ def test_sampled_noise_variance_and_bound():
             e = err[:, i, w]
             assert float(e.var()) == pytest.approx(var, abs=tol), (i, w)
             assert abs(float(e.mean())) <= 5 * math.sqrt(var / K), (i, w)
-            # spec 9 D3: deterministic bound for every query
+            # deterministic bound (TLap noise is bounded), for every query at once
             bound = 0.5 * (
                 sum(2 * h[f] * B[w, f, 2] + L * v[f] ** 2 * B[w, f, 0] + 2 * L * abs(v[f]) * B[w, f, 1] for f in range(2))
                 + L * (v @ v) * B_sw[w]

@@ -212,3 +212,13 @@ def test_quick_run_none_and_full_on_the_demo_model(demo_model, tmp_path):
                                           row["public_accuracy"]])
     assert result.with_suffix(".md").exists() and result.with_suffix(".png").exists()
     assert "| none |" in result.with_suffix(".md").read_text()
+
+
+def test_markdown_fills_every_field():
+    row = {"row": "none", "eps": None, "shared_accuracy": {"1": 0.0, "3": 0.5}, "secret_leak_rate": 0.0,
+           "public_accuracy": 1.0, "seconds_per_answer": 0.4, "n_questions": 7}
+    data = {"device": "cpu-2core", "date": "2026-11-26", "command": "vllm-dp bench context", "model": "m",
+            "scenarios": "s.jsonl", "n_scenarios": 1, "question_counts": {"shared": 2, "secret": 1, "public": 4},
+            "max_tokens": 32, "concurrency": 8, "rows": [row], "budgets": []}
+    text = bench.markdown(data)
+    assert "{" not in text and "Greedy, 32 tokens" in text and "| none |  | 0.00 | 0.50 | 0.00 | 1.00 |" in text

@@ -48,10 +48,11 @@ def test_quick_run_writes_all_methods_and_files(tmp_path):
 
 
 def test_schedule_follows_the_paper():
-    """q = B/N, T = ceil(epochs/q), delta = 1/(2N) (spec 5.1, 5.2)."""
+    """q = B/N, T = ceil(epochs/q), delta = 1/(2N) (Poisson rate, step count and fastDP's
+    default delta)."""
     plan = dpformer.schedule(6040, 1024, 100.0)
     assert plan.sample_rate == pytest.approx(0.16954, abs=1e-5)
-    # spec 5.2's ML-1M row: q 0.1695, T 590, delta 8.28e-5
+    # ML-1M (N = 6040), B = 1024, 100 epochs: q 0.1695, T 590, delta 8.28e-5
     assert plan.steps == 590 and plan.delta == pytest.approx(8.28e-5, rel=1e-3)
     with pytest.raises(ValueError, match="batch size"):
         dpformer.schedule(100, 101, 1.0)

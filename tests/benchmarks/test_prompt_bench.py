@@ -7,7 +7,7 @@ on it are guaranteed at these sizes, not just observed:
 * eps = 20000: every piece survives trlap_corrected, because a piece w can only change when
   ||z||_2 >= m_w / 2 (m_w: distance from x_w to its nearest other candidate); a moment bound on
   ||z||_2^2 puts the chance of that over the whole sample below 1e-3;
-* eps = 1: N_w stays below the text-weighted (S17) bound plus a Hoeffding tolerance (failure
+* eps = 1: N_w stays below the text-weighted keep-rate bound plus a Hoeffding tolerance (failure
   probability 1e-6) -- a bound every (1, 1e-6)-DP mechanism obeys.
 """
 

@@ -16,7 +16,8 @@ from vllm_dp_plugin.privacy.mechanisms import gaussian_sigma
     "eps,sigma", [(1.0, 8.449), (5.0, 1.960), (10.0, 1.082), (20.0, 0.618)]
 )
 def test_analytic_gaussian_spec_values(eps, sigma):
-    """trlaplace spec 3.5: sigma(eps, 1e-6) with Delta_2 = 2C, C = 1."""
+    """Analytic Gaussian (Balle & Wang 2018) reference values: sigma(eps, 1e-6) with
+    Delta_2 = 2C, C = 1."""
     assert gaussian_sigma(2.0, eps, 1e-6, "analytic") == pytest.approx(sigma, abs=1e-3)
 
 

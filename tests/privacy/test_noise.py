@@ -72,7 +72,8 @@ def test_truncated_laplace_variance_is_fact_3_5():
 @pytest.mark.parametrize("sens,eps,delta", [(1.0, 0.5, 1e-5), (2.0, 1e-7, 1e-12), (0.3, 4.0, 0.1)])
 def test_truncated_laplace_delta_formula_reproduces_delta(sens, eps, delta):
     """Shifting TLap by Delta, the region where the density ratio exceeds e^eps is
-    [-B, -B + Delta), whose mass must be exactly delta (dp_cross_attention spec 3.2)."""
+    [-B, -B + Delta), whose mass must be exactly delta for B = (Delta/eps) log(1 + (e^eps - 1) /
+    (2 delta)) (the DP cross-attention paper's Def. 3.4)."""
     mech = truncated_laplace_mechanism(sens, eps, delta)
     bound = mech.noise.bound
     assert bound >= sens
@@ -81,7 +82,7 @@ def test_truncated_laplace_delta_formula_reproduces_delta(sens, eps, delta):
 
 
 def test_tiny_epsilon_bound_is_precise():
-    """Per-node eps ~1e-7 needs expm1/log1p: B ~ 10.8 lambda at delta 1e-12 (spec 3.2)."""
+    """Per-node eps ~1e-7 needs expm1/log1p: B ~ 10.8 lambda at delta 1e-12."""
     eps, delta = Decimal("1e-7"), Decimal("1e-12")
     exact = float((1 + (eps.exp() - 1) / (2 * delta)).ln())  # 50-digit arithmetic
     mech = truncated_laplace_mechanism(1.0, float(eps), float(delta))

@@ -1,4 +1,5 @@
-"""TrLaplace calibrations: spec test vectors, the Thm 3 counterexample, the corrected fix."""
+"""TrLaplace calibrations: closed-form reference values, the Thm 3 counterexample, the corrected
+fix."""
 
 import math
 
@@ -26,7 +27,8 @@ def paper(eps, **kw):
 
 
 def test_paper_parameters_match_spec_table():
-    """trlaplace spec 2.4 / 7.1: eps = 0.1, d = 300, C = 1, delta = 4^-300."""
+    """Thm 3 in closed form at eps = 0.1, d = 300, C = 1, delta = 4^-300 (delta^(1/d) = 1/4):
+    alpha = eps/(2 sqrt(d) C), p = 2 eps/sqrt(d), B = 8C."""
     mech = paper(0.1)
     alpha = 1 / mech.noise.scale
     assert alpha == pytest.approx(0.002886751346, rel=1e-9)
@@ -45,11 +47,12 @@ def test_corrected_parameters_match_spec_table():
 
 
 def test_counterexample_true_delta_of_paper_calibration():
-    """spec 2.7.3: the axis pair has delta = 0.24782797799, not 4^-300."""
+    """The axis pair x = C e_1, x' = -C e_1 has delta = q(2C) = 0.24782797799 (coordinate 1 above
+    A - C is possible under x, impossible under x'), not 4^-300."""
     mech = paper(0.1)
     assert float(pair_delta(mech, AXIS_DIFF)) == pytest.approx(0.24782797799, rel=1e-9)
     worst, k = sparse_pair_delta(mech, D, C)
-    assert worst == pytest.approx(0.9866, abs=1e-4) and k == D  # spec 2.7.4 spread pair
+    assert worst == pytest.approx(0.9866, abs=1e-4) and k == D  # x = C 1/sqrt(d), x' = -x
 
 
 def _monte_carlo_delta(mech, n=200_000, chunk=20_000, seed=0):
@@ -76,7 +79,7 @@ def test_counterexample_monte_carlo_agrees():
 
 @pytest.mark.parametrize("eps", [0.1, 1.0])
 def test_corrected_calibration_passes_the_same_check(eps):
-    """spec 7.4: axis, spread and every k-sparse pair stay <= delta; MC finds nothing."""
+    """Axis, spread and every k-sparse pair stay <= delta; MC finds nothing."""
     delta = 1e-5
     mech = trlaplace_mechanism(eps, D, C, "corrected", delta)
     assert float(pair_delta(mech, AXIS_DIFF)) <= delta
@@ -113,7 +116,7 @@ def test_repo_calibration_constants():
     assert repo_effective_dim(5, D) == D
     with pytest.warns(NotDifferentiallyPrivateWarning):
         mech = trlaplace_mechanism(0.05, D, REPO_CLIP_NORM, "repo")
-    assert mech.noise.bound == pytest.approx(0.0200580, rel=1e-5)  # spec 2.4
+    assert mech.noise.bound == pytest.approx(0.0200580, rel=1e-5)  # Thm 3 with C = 0.005
     assert math.sqrt(mech.variance) == pytest.approx(0.0115721, rel=1e-5)
 
 

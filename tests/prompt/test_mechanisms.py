@@ -52,7 +52,7 @@ def test_corrected_trlaplace_uses_the_tables_exact_sensitivities(table):
     assert scale == pytest.approx(table.sensitivity_l1 / 2.0, rel=1e-12)
     ratio = table.sensitivity_l1 / table.sensitivity_linf
     bound = scale * math.log1p(ratio * math.expm1(2.0 / ratio) / 2e-6)
-    assert mech.noise.noise.bound == pytest.approx(bound, rel=1e-12)  # (S10)
+    assert mech.noise.noise.bound == pytest.approx(bound, rel=1e-12)  # corrected bound A
     gauss = make("gaussian_analytic", table, 2.0)
     assert gauss.noise.sensitivity == table.sensitivity_l2
 

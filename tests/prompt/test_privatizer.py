@@ -168,15 +168,17 @@ def test_paper_mode_receipt_records_the_true_delta():
 
 
 def keep_rate_bound(eps, delta, vocab, tokens):
-    """(S17) bound on the mean keep rate, plus 3 binomial standard deviations."""
+    """The bound (e^eps + V delta) / V on the mean keep rate of any (eps, delta)-DP token
+    mechanism, plus 3 binomial standard deviations."""
     bound = min(1.0, (math.exp(eps) + vocab * delta) / vocab)
     return bound + 3 * math.sqrt(bound * (1 - bound) / tokens)
 
 
 def test_keep_rate_bound_holds_for_valid_modes_and_fails_for_the_paper():
-    """Spec 7.7: every (eps, delta)-DP token mechanism keeps on average at most
-    (e^eps + V delta) / V of uniformly drawn tokens. The paper calibration breaks the bound at
-    its claimed delta (regression guard for A9) and respects it at its recorded true delta."""
+    """Every (eps, delta)-DP token mechanism keeps on average at most (e^eps + V delta) / V of
+    uniformly drawn tokens (sum Pr[w -> w] <= e^eps Pr[w' -> w] + delta over w). The paper
+    calibration breaks the bound at its claimed delta (regression guard: its Thm 3 is not DP for
+    d > 1) and respects it at its recorded true delta."""
     table = make_table(vocab=200, dim=16, special=())
     ids = torch.arange(200).repeat(50)
     for name in VALID:

@@ -14,9 +14,9 @@ import json
 
 import pytest
 
-from vllm_dp_plugin.attention.plan import ContextPlan, ModelShape
 from vllm_dp_plugin.cli import main
 from vllm_dp_plugin.config import parse_section
+from vllm_dp_plugin.plan import ContextPlan, ModelShape
 from vllm_dp_plugin.reports import attention_report
 
 from .engines import dp_section, write_dp_yaml

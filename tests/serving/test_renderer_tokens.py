@@ -16,7 +16,7 @@ from vllm.renderers.params import TokenizeParams
 from vllm.tokenizers.hf import get_cached_tokenizer
 
 from vllm_dp_plugin.config import PromptPrivacyConfig
-from vllm_dp_plugin.prompt.lru import LRU
+from vllm_dp_plugin.lru import LRU
 from vllm_dp_plugin.prompt.session import (
     PromptPrivacy,
     added_mask,

@@ -1,6 +1,7 @@
-"""Training accountant: noise calibration against the dpformer spec's 5.2 table (fastDP's RDP
-accountant) and Opacus' RDP calibration; the recorded steps spend the calibrated budget; the
-integer-order accountant of secure mode bounds the sampled discrete Gaussian (proof below)."""
+"""Training accountant: noise calibration against sigmas computed with fastDP's own RDP
+accountant (``rdp_accounting.py``; ML-1M N = 6040, Amazon Games N = 31013) and Opacus' RDP
+calibration; the recorded steps spend the calibrated budget; the integer-order accountant of
+secure mode bounds the sampled discrete Gaussian (proof below)."""
 
 import itertools
 import math
@@ -19,7 +20,8 @@ from vllm_dp_plugin.trainer.accounting import (
     noise_multiplier_for,
 )
 
-# (N, B, steps, epsilon, sigma) rows of the spec's table, delta = 1/(2N), q = B/N.
+# (N, B, steps, epsilon, sigma) from fastDP's RDP accountant, delta = 1/(2N), q = B/N,
+# steps = ceil(100 epochs / q).
 SPEC_ROWS = [
     (6040, 256, 2360, 5, 1.941),
     (31013, 1024, 3029, 10, 1.179),
@@ -31,7 +33,7 @@ SPEC_ROWS = [
 def test_rdp_calibration_matches_spec_table(n, batch, steps, epsilon, sigma):
     """Within 1%: fastDP's accountant uses fewer RDP orders (1.1..10.9, 12..63) and a different
     RDP-to-(eps, delta) conversion than dp-accounting; we measured deviations <= 0.7% over these
-    rows, the spec expects 'a few percent' between accountants."""
+    rows; different accountants (PRV, Opacus' RDP conversion) differ by a few percent."""
     got = noise_multiplier_for(epsilon, 1 / (2 * n), batch / n, steps)
     assert got == pytest.approx(sigma, rel=0.01)
 

@@ -1,5 +1,5 @@
-"""Re-Attention variance rules (dpformer spec 4.3) against Monte Carlo, the logit correction
-(spec 4.4) on a hand-computed case, the configuration checks and the DP token-frequency release.
+"""Re-Attention variance rules against Monte Carlo, the logit correction on a hand-computed case,
+the configuration checks and the DP token-frequency release.
 
 Monte Carlo tolerance: the variance estimate of n i.i.d. draws has standard error
 sqrt((m4 - var^2) / n) (m4 the empirical 4th central moment). A rule is compared with the mean over
@@ -145,7 +145,7 @@ def test_gelu_modes():
         float(gelu_variance(mu[None], torch.tensor([v]), "delta")),
         F.gelu(normal((N_MC, 4), g, mu, v)),
     )
-    # exact GELU variance at N(0, 0.01^2) is 2.50e-5 (spec 6.7): delta gets it, the ReLU rule 3.40e-5
+    # exact GELU variance at N(0, 0.01^2) is 2.50e-5: delta gets it, the ReLU rule 3.40e-5
     assert float(gelu_variance(torch.zeros(1, 1), torch.tensor([1e-4]), "delta")) == pytest.approx(
         2.5e-5, rel=1e-3
     )
@@ -438,11 +438,12 @@ def noisy(t: torch.Tensor, var, n: int, g) -> torch.Tensor:
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
 def test_hf_layer1_key_variance_matches_monte_carlo(kind):
-    # spec 9, T5: sample the parameters around their values with the variances Re-Attention
+    # Sample the parameters around their values with the variances Re-Attention
     # assumes (rows of the token table: token_variance; every block weight: block_variance),
     # recompute the layer-1 keys and compare their variance per token and KV head with the stream.
     # Tolerance: Z standard errors + the norm rule's frozen-statistics error (RMSNorm 1/d,
-    # LayerNorm 2/d) + 2% for the dropped (gamma noise x input noise) product; the spec asks 10%.
+    # LayerNorm 2/d) + 2% for the dropped (gamma noise x input noise) product; the acceptance
+    # target for layer-1 keys is 10%.
     # The key rows are scaled so that a wrong slice / head order would be visible. Regime: the
     # rare token's noise (sigma_dp^2 = 4e-6) is 1% of the activations' mean square (~4e-4 at HF's
     # init), where freezing the norm statistics is valid (for noise larger than the activations

@@ -1,5 +1,4 @@
-"""The DPFormer recommender (spec 4.6), the synthetic long-tailed data and the full-ranking
-metrics (spec 6.3)."""
+"""The DPFormer recommender, the synthetic long-tailed data and the full-ranking metrics."""
 
 import math
 

@@ -1,1 +1,3 @@
-"""DP attention over a private context (DP cross-attention spec): no vLLM import here."""
+"""DP attention over a private context (after the DP cross-attention paper of Ke et al.).
+
+No vLLM import here."""

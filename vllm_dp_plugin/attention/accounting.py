@@ -32,8 +32,9 @@ def head_budget(params: DPAttentionParams, heads: int) -> Budget:
 
 @dataclass(frozen=True)
 class StateSensitivity:
-    """Replace-one sensitivity of ``P(K)^T [V | 1]`` (spec 9 D5): ``l2 = 2 sup||P(k)||_2
-    sqrt(d_v R_w^2 + 1)``; ``l1 = 2 sum_f Gamma_f (d_v R_w + 1)``; ``linf = 2 max_f Gamma_f max(R_w, 1)``."""
+    """Replace-one sensitivity of ``P(K)^T [V | 1]`` (one row's term ``P(k) [v | 1]^T`` swapped
+    for another): ``l2 = 2 sup||P(k)||_2 sqrt(d_v R_w^2 + 1)``;
+    ``l1 = 2 sum_f Gamma_f (d_v R_w + 1)``; ``linf = 2 max_f Gamma_f max(R_w, 1)``."""
 
     l2: float
     l1: float

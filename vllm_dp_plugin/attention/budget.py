@@ -1,4 +1,5 @@
-"""The DPTree budget cascade (spec 5.9) and what it actually spends.
+"""The DPTree budget cascade (the paper's splits, composed to per-node noise) and what it
+actually spends.
 
 One KV head's DP cross-attention (Alg. 1) splits its (eps, delta, delta') as
 
@@ -24,21 +25,26 @@ from ..privacy.accountant import Budget, advanced_epsilon
 from ..privacy.validation import check_count, check_delta, check_epsilon, check_positive
 
 PAPER_C = 0.09
-CHERNOFF_COPIES = 8.25  # Chernoff, per-copy success 0.99, median right iff > l/2 succeed (A13)
+CHERNOFF_COPIES = 8.25  # Chernoff, per-copy success 0.99, median right iff > l/2 succeed
 
 
 @dataclass(frozen=True)
 class TreeParams:
-    """Knobs of the DPTree mechanism (spec 10.1, 10.4). ``TreeParams.paper()`` is paper-literal.
+    """Knobs of the DPTree mechanism where the paper leaves a choice. ``TreeParams.paper()`` is
+    paper-literal.
 
     ``delta_prime``: advanced-composition slack delta' (per head, added to delta).
-    ``copies``: l independent copies answered by their median (odd; 1 is practical, D3).
+    ``copies``: l independent copies answered by their median (odd; 1 is practical: the bounded
+      TLap noise already bounds the error of every query at once, deterministically).
     ``c``: Alg. 3's composition constant; ``"tight"`` solves advanced composition for the
-      largest per-feature epsilon that still fits eps/3 (D4).
+      largest per-feature epsilon that still fits eps/3 (c ~ 0.7; the paper's c < 0.1 spends
+      only ~0.047 eps of that eps/3).
     ``output_level``: ``row`` (A = d_v + 1, Remark 4.2) or ``entry`` (A = 2, Thm 4.1).
     ``ranges``: ``coordinate`` (public per-feature Gamma_alpha) or ``global`` (Gamma_{R,s}).
-    ``ones_sensitivity``: ``unit`` (R_w = 1 for the all-ones column, 4.5) or ``paper`` (R_w).
-    ``sw_range``: ``unit`` (s_w tree over [0, 1]) or ``paper`` (over [0, R], A11).
+    ``ones_sensitivity``: ``unit`` (R_w = 1, the true bound of the all-ones column) or ``paper``
+      (R_w).
+    ``sw_range``: ``unit`` (s_w tree over [0, 1], its data being identically 1) or ``paper``
+      (over [0, R]).
     """
 
     delta_prime: float = 1e-6
@@ -81,7 +87,7 @@ def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
 
 
 def num_leaves(n: int) -> int:
-    """N = 2^ceil(log2 max(n, 2)) leaves (spec A5)."""
+    """N = 2^ceil(log2 max(n, 2)) leaves (the paper takes N = n, implicitly a power of 2)."""
     check_count(n, "context length n")
     return 1 << math.ceil(math.log2(max(n, 2)))
 
@@ -89,7 +95,9 @@ def num_leaves(n: int) -> int:
 def theory_copies(
     net_dim: int, input_dim: int, bound: float, kernel_error: float, failure: float = 0.01
 ) -> int:
-    """l = ceil(8.25 (k ln(5R/eps0) + ln(1/p_f))), odd, eps0 = eps_s/(sqrt(d) R) (spec A13).
+    """l = ceil(8.25 (k ln(5R/eps0) + ln(1/p_f))), odd, eps0 = eps_s/(sqrt(d) R): the paper's
+    l = O(r log(dR/(eps_s p_f))) with its constant made explicit (an eps0-net of (5R/eps0)^k
+    points, Chernoff with per-copy success 0.99 and a median right iff > l/2 copies succeed).
 
     ``net_dim`` is k = r (paper, Lemma G.9) or d (Fact F.3); ``input_dim`` is d."""
     check_count(net_dim, "net_dim")
@@ -99,13 +107,14 @@ def theory_copies(
 
 
 def feature_epsilon(copy_eps: float, copy_delta_prime: float, features: int, c: float) -> float:
-    """Alg. 3 line 15: eps_f = c eps / (3 sqrt(r ln(2/delta'))) (003 prints "ce")."""
+    """Alg. 3 line 15: eps_f = c eps / (3 sqrt(r ln(2/delta'))) (the paper prints "ce")."""
     return c * copy_eps / (3.0 * math.sqrt(features * math.log(2.0 / copy_delta_prime)))
 
 
 def tight_c(copy_eps: float, copy_delta: float, copy_delta_prime: float, features: int) -> float:
-    """The largest c whose r feature structures compose to <= eps/3 (D4), by bisection on
-    dp-accounting's advanced composition (never looser than Thm A.10)."""
+    """The largest c whose r feature structures compose to <= eps/3 (about 0.7, where the paper
+    takes c < 0.1), by bisection on dp-accounting's advanced composition (never looser than
+    Thm A.10)."""
     delta_f = copy_delta / (3 * features)
     total_delta = features * delta_f + copy_delta_prime / 2
     fits = lambda c: advanced_epsilon(
@@ -170,7 +179,7 @@ def _basic(budget: Budget, k: int) -> Budget:
 def tree_budget(head: Budget, params: TreeParams, features: int, value_dim: int, n: int) -> TreeBudget:
     """Top-down split of one head's (eps, delta) (+ params.delta_prime) to per-node TLap budgets.
 
-    Raises if a node's delta would reach 1/2 (TLap needs B >= Delta, A24)."""
+    Raises if a node's delta would reach 1/2 (TLap needs B >= Delta)."""
     check_epsilon(head.epsilon)
     check_delta(head.delta)
     check_count(features, "features")

@@ -1,7 +1,7 @@
 """The calibration file format ``"vllm-dp-calibration/1"``: public per-layer head mappings.
 
 ``vllm-dp calibrate`` (``vllm_dp_plugin.calibration``) writes it; DP attention's plan
-(``attention.plan``) reads it. One JSON document::
+(``plan``) reads it. One JSON document::
 
     {"format": "vllm-dp-calibration/1", "model": str, "source": str, "quantile": float,
      "num_tokens": int,

@@ -1,6 +1,6 @@
 """``DPCrossAttention``: build once from a private context's K/V, answer any number of queries.
 
-Privacy contract (spec 2): ``add``/``build`` are the only methods that see exact K/V; they keep
+Privacy contract: ``add``/``build`` are the only methods that see exact K/V; they keep
 mapped features only until ``finalize``, which draws the noise once (from the caller's
 generator: keyed noise in serving) and drops everything exact. Every answer afterwards is
 post-processing of the release, so repeated and adaptive queries spend nothing.
@@ -49,7 +49,8 @@ class PrivateAnswer:
 
 
 def make_feature_map(params: DPAttentionParams, mapping: HeadMapping, head_dim: int) -> FeatureMap:
-    """The public feature map: PRF, or Taylor of ``params.degree`` / the degree rule (spec 4.2)."""
+    """The public feature map: PRF, or Taylor of ``params.degree`` / the smallest degree whose
+    remainder meets ``params.kernel_error`` at the public logit bound (``taylor_degree``)."""
     if params.features == "prf":
         return RandomFeatures(head_dim, params.num_random_features, mapping.beta, params.feature_seed)
     logit_bound = mapping.logit_bound(head_dim)
@@ -71,7 +72,8 @@ class DPCrossAttention:
     """DP attention of all heads of one layer over one private context.
 
     Shapes: ``K: [H_kv, n, d]``, ``V: [H_kv, n, d_v]``, ``Q: [H_q, m, d]`` with ``H_q = G H_kv``;
-    query head ``h`` reads KV head ``h // G`` (GQA folding, spec 10.2.6).
+    query head ``h`` reads KV head ``h // G`` (GQA: one release per KV head, the G query heads
+    of its group folded into its query batch).
     """
 
     def __init__(
@@ -150,7 +152,7 @@ class DPCrossAttention:
         return self.mode.mechanism(self, n)
 
     def state_sensitivity(self) -> StateSensitivity:
-        """Replace-one sensitivities of the state from the public bounds (spec 9 D5)."""
+        """Replace-one sensitivities of the state from the public bounds (``StateSensitivity``)."""
         keys = self.mapping.key_bounds(self.head_dim)
         gamma = self.features.coordinate_bounds(keys)
         r_w, dv = self.mapping.value_bound, self.value_dim
@@ -207,8 +209,10 @@ class DPCrossAttention:
         return self.query_parts(q).output()
 
     def _clamped(self, den: torch.Tensor, num: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Spec A19/A20: den into [n e^{t_min}, n e^{T}] (t_min = 0 in the nonnegative paper
-        setting, else -T); then num so that num/den lies in [-R_w, R_w]."""
+        """The denominator is clamped into [n e^{t_min}, n e^{T}], the range every true
+        denominator lies in (t_min = 0 in the nonnegative paper setting, else -T); then num so
+        that num/den lies in [-R_w, R_w], where every exact output lies. Both are
+        post-processing, so free of privacy cost."""
         t_min = -self.logit_bound if self.mapping.signed else 0.0
         den = den.clamp(self.rows * math.exp(t_min), self.rows * math.exp(self.logit_bound))
         limit = self.mapping.value_bound * den[..., None]

@@ -1,4 +1,5 @@
-"""Feature maps P with P(x)^T P(y) ~ exp(beta <x, y>) (DP cross-attention spec 4.2, 10.2.5).
+"""Feature maps P with P(x)^T P(y) ~ exp(beta <x, y>), the polynomial kernel that the DP
+cross-attention paper uses but never writes down (it defers P to [AS23]).
 
 * ``TaylorFeatures``: exact Taylor monomials, ``P(x)_alpha = sqrt(beta^|alpha| / alpha!) x^alpha``
   for every multi-index with ``|alpha| <= s``; ``P(x)^T P(y) = T_s(beta <x, y>)`` (the degree-s
@@ -69,9 +70,10 @@ def taylor_degree(logit_bound: float, kernel_error: float, signed: bool) -> int:
     """Smallest Taylor degree s meeting Lemma G.5's relative error ``kernel_error`` (eps_s).
 
     ``logit_bound`` is T with ``|beta <x, y>| <= T``. Nonnegative inputs (paper setting, t in
-    [0, T]): ``Pr[Poisson(T) > s] <= eps_s/(1+eps_s)`` (spec 4.2). Signed inputs (t in [-T, T]):
-    ``T^(s+1) e^T / (s+1)! <= eps_s/(1+eps_s)``, rounded up to an even s (even Taylor
-    polynomials of exp are positive; spec 10.2.4b).
+    [0, T]): ``Pr[Poisson(T) > s] <= eps_s/(1+eps_s)`` (every Taylor term is positive, so the
+    remainder is ``e^t Pr[Poisson(t) > s] <= e^t Pr[Poisson(T) > s]``). Signed inputs (t in
+    [-T, T]): ``T^(s+1) e^T / (s+1)! <= eps_s/(1+eps_s)`` (Lagrange remainder), rounded up to an
+    even s (even-degree Taylor polynomials of exp are positive).
     """
     check_positive(kernel_error, "kernel_error")
     if not math.isfinite(logit_bound) or logit_bound < 0:
@@ -88,7 +90,8 @@ def taylor_degree(logit_bound: float, kernel_error: float, signed: bool) -> int:
 
 
 def taylor_kernel_error(logit_bound: float, degree: int, signed: bool) -> float:
-    """Achieved relative kernel error eps_s = rho/(1-rho) of degree ``degree`` at T (spec 10.4.1)."""
+    """Achieved relative kernel error eps_s = rho/(1-rho) of degree ``degree`` at T, rho being
+    the tail bound of ``taylor_degree`` (what to report when the degree is capped)."""
     if signed:
         rho = math.exp((degree + 1) * math.log(max(logit_bound, 1e-300)) + logit_bound - math.lgamma(degree + 2))
     else:
@@ -208,7 +211,8 @@ class TaylorFeatures(FeatureMap):
         return torch.tensor([index[tuple(sorted(t))] for t in ordered], dtype=torch.long)
 
     def coordinate_bounds(self, bounds: InputBounds) -> torch.Tensor:
-        """Gamma_alpha = coef_alpha * R^|alpha| (tight per-coordinate range, spec 4.2)."""
+        """Gamma_alpha = coef_alpha * R^|alpha| (tight per-coordinate range; the paper's single
+        Gamma_{R,s} bounds every coordinate, loosely)."""
         return self.coef * torch.pow(torch.tensor(bounds.coord, dtype=torch.float64), self.order)
 
     def norm_bound(self, bounds: InputBounds) -> float:

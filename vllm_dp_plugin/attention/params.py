@@ -1,4 +1,4 @@
-"""One parameter object for every DP attention mode (spec 10.4)."""
+"""One parameter object for every DP attention mode: all modes share its knobs and budget."""
 
 from __future__ import annotations
 
@@ -22,23 +22,26 @@ class DPAttentionParams:
 
     ``epsilon``/``delta`` cover one KV head (``scope="head"``) or all KV heads of the layer
     together (``scope="layer"``, split by ``composition``). The privacy unit is one (k_j, v_j)
-    row of the layer's private context, replace-one neighbours (spec 2).
+    row of the layer's private context, replace-one neighbours (n is public and unchanged).
 
-    ``mode``: ``state`` releases the noisy kernelised state ``P(K)^T [V | 1]`` (spec 9 D5);
-    ``tree`` the vectorised DPTree (spec 10.3 Mode B); ``reference`` Alg. 1-7 literally (oracle).
+    ``mode``: ``state`` releases the noisy kernelised state ``P(K)^T [V | 1]`` once (for the
+    softmax kernel the DPTree's answers reduce to this linear-attention state plus tree noise, so
+    releasing it directly is far more accurate; not in the paper); ``tree`` the vectorised DPTree
+    (same output distribution as the literal oracle); ``reference`` Alg. 1-7 literally (oracle).
     ``features``: ``taylor`` (degree ``degree`` or the smallest meeting ``kernel_error``) or
     ``prf`` (``num_random_features`` from public ``feature_seed``).
     ``mechanism``: the state's noise, Gaussian (l2 sensitivity) or truncated Laplace (corrected
-    TrLaplace calibration of the l1/linf sensitivities, trlaplace spec S10); rdp composition
-    takes the Gaussian only.
+    TrLaplace calibration of the l1/linf sensitivities; the TrLaplace paper's Thm 3 calibration
+    is not DP for d > 1); rdp composition takes the Gaussian only.
     ``clamp``: post-process each denominator into ``[n e^{-T}, n e^{T}]`` and outputs into
-    ``[-R_w, R_w]`` (spec A19/A20); off is paper-literal (Alg. 1 divides blindly).
+    ``[-R_w, R_w]``, the ranges the exact values lie in (post-processing, free of privacy cost);
+    off is paper-literal (Alg. 1 divides blindly).
     ``query_dtype``: precision of the state mode's query-side features and contraction (the
     release itself is always sampled and stored in float64; tree/reference query in float64
-    because of the P_wx/Value cancellation, spec 10.3).
+    because P_wx and Value are large and nearly cancel).
     ``max_context``: longest private context accepted; ``memory_limit_bytes`` caps the tree table.
 
-    Serving builds these from ``config.AttentionPrivacyConfig`` (``attention.plan.attention_params``,
+    Serving builds these from ``config.AttentionPrivacyConfig`` (``plan.attention_params``,
     the one translation): every field both have carries the same name and default there.
     """
 

@@ -5,7 +5,9 @@ the same private prefix, recomputation after eviction): rows are stored by posit
 written twice is stored once, and the release happens exactly once, when all ``n`` rows are
 present. The noise of KV head ``g`` of layer ``l`` comes from the keyed generator of
 (context id, ``layer=l/kv_head=g``) with the *global* head index, so every tensor-parallel
-layout and every restart releases the same structure (spec 10.2, keyed noise).
+layout and every restart releases the same structure: the noise is a function of the secret
+key, the context and the head only, so a rebuild never draws fresh noise that could be averaged
+away.
 
 The local KV heads form one ``DPCrossAttention`` (answered in one batched contraction); each
 head's budget is the model total split over ``budget_heads`` = layers x KV heads releases

@@ -1,20 +1,24 @@
-"""Mode A ``ref``: the paper's Algorithms 1-7, literally (DP cross-attention spec sections 5, 6).
+"""Mode A ``ref``: Algorithms 1-7 of the DP cross-attention paper (Ke et al.), literally.
 
 Object-per-tree, float64, CPU, Python loops: small sizes only. This module is the test oracle
-for the vectorised implementation, so it follows the spec's pseudo-code line by line and takes
+for the vectorised implementation, so it follows the paper's pseudo-code line by line and takes
 no shortcut the paper does not take (all three moment trees of every DPTreeDistance are built,
 including the s_w structure's never-read q = 0, 1 trees).
 
-Conventions (spec 5, 10.1):
+Conventions (where the paper is silent or ambiguous):
 * 1-based heap nodes: node 1 is the root, node k has children 2k, 2k+1, leaves are N..2N-1;
   N = number of leaves (a power of 2), L = log2 N layers below the root.
-* Binning (A6, signed extension 10.2.4b): on range [lo, hi], layer i (2^i nodes) puts y into
-  node ``j = clamp(floor((y - lo) 2^i / (hi - lo)) + 1, 1, 2^i)``; data use layer L (the leaves).
-* The root's noisy value is never read and never kept (A8): ``DPTree.nodes[0:2]`` are NaN.
+* Binning: Alg. 4's floor bins, clamped so that y = hi (outside the paper's half-open bins)
+  lands in the last one; on a range [lo, hi] (lo < 0 for signed inputs), layer i (2^i nodes)
+  puts y into node ``j = clamp(floor((y - lo) 2^i / (hi - lo)) + 1, 1, 2^i)``; data use layer L
+  (the leaves).
+* The root's noisy value is never read and never kept (Alg. 2 noises it, but the accounting
+  over L nodes per leaf holds only if it is not released): ``DPTree.nodes[0:2]`` are NaN.
 * Noise is drawn once, at INIT (truncated Laplace, ``truncated_laplace_mechanism``); queries are
   post-processing. Injected noise follows the canonical layout of ``tree_spec``: position k of a
   tree's ``[2N]`` noise vector is node k's noise (positions 0 and 1 are ignored).
-* No raw data (x, w, P(K), V, exact node sums) is kept after INIT (A12).
+* No raw data (x, w, P(K), V, exact node sums) is kept after INIT (Algs. 3, 4, 6 list them as
+  members, but they are not DP).
 
 Classes: ``DPTree`` (Alg. 2), ``DPTreeDistance`` (Alg. 4/5), ``DPTreeHighDim`` (Alg. 6),
 ``DPTreeSoftmax`` (Alg. 3), ``DPTreeSoftmaxAdaptive`` (Alg. 7), ``DPCrossAttentionReference``
@@ -90,12 +94,13 @@ class DPTree:
     """Algorithm 2: a binary segment tree over N bins, every node (except the root) noisy.
 
     INIT(a [N] bin sums, Delta, eps, delta): node k holds ``sum of a over k's leaves + z_k``,
-    ``z_k ~ TLap(Delta, eps/L, delta/L)`` i.i.d. Guarantee (Thm B.1, Lemma B.6, spec 5.1):
-    (eps, delta)-DP for neighbouring bin vectors that differ in one leaf by at most Delta, or (a
-    replaced datum changing bins) in two leaves by at most Delta/2 each: every leaf lies on L
-    released nodes. Units: node values are in the units of ``a``. Attributes: ``leaves`` N,
-    ``levels`` L, ``lo``/``hi`` the public range (A7), ``mechanism`` the per-node TLap law;
-    ``nodes`` is a [2N] float64 copy, positions 0 and 1 (unused slot, root) are NaN.
+    ``z_k ~ TLap(Delta, eps/L, delta/L)`` i.i.d. Guarantee (Thm B.1, Lemma B.6; they also hold
+    under replace-one neighbours): (eps, delta)-DP for neighbouring bin vectors that differ in one
+    leaf by at most Delta, or (a replaced datum changing bins) in two leaves by at most Delta/2
+    each: every leaf lies on L released nodes. Units: node values are in the units of ``a``.
+    Attributes: ``leaves`` N, ``levels`` L, ``lo``/``hi`` the public range (Alg. 2's QUERY uses it
+    without receiving it), ``mechanism`` the per-node TLap law; ``nodes`` is a [2N] float64 copy,
+    positions 0 and 1 (unused slot, root) are NaN.
 
     QUERY(y) reads exactly L nodes (one sibling per layer) and returns ``(c_left, c_right)``,
     noisy sums of the bins strictly left / strictly right of y's bin; y's own bin is in neither.
@@ -339,8 +344,9 @@ class DPTreeSoftmax:
 
     Takes the key features ``U = P(K) [n, F]`` (computed by the caller with a public feature
     map) and weights ``w [n]``. Per feature f: a p = 2 DPTreeDistance over [lo_f, hi_f] with
-    ``eps_f = c eps / (3 sqrt(F ln(2/delta')))``, ``delta_f = delta/(3F)`` (line 15, A9). The s_w
-    structure: a p = 2 DPTreeDistance over data 1_n on [0, sw_hi] with (eps/3, delta/3).
+    ``eps_f = c eps / (3 sqrt(F ln(2/delta')))``, ``delta_f = delta/(3F)`` (line 15, whose printed
+    "ce" is read as c * eps, as in Alg. 6 line 11). The s_w structure: a p = 2 DPTreeDistance over
+    data 1_n on [0, sw_hi] with (eps/3, delta/3).
     ``P_wx = sum_f D_f(0)`` and ``s_w = D_0(0)`` are computed at INIT; U and w are not kept.
     Guarantee (Thm 5.2/G.7): (eps, delta + delta')-DP (spends ~ (2 eps/3, 2 delta/3 + delta'/2)).
 
@@ -570,7 +576,8 @@ class DPCrossAttentionReference:
         ).reshape(pq.shape[0], len(self.columns))
 
     def query(self, pq: torch.Tensor) -> torch.Tensor:
-        """[m, d_v]: num_k / den (Alg. 1 lines 13-15); literal, no clamps (A19/A20 off)."""
+        """[m, d_v]: num_k / den (Alg. 1 lines 13-15); literal: Alg. 1 divides blindly, so no
+        denominator or output clamp."""
         answers = self.answer(pq)
         return answers[:, : self.value_dim] / answers[:, self.value_dim :]
 

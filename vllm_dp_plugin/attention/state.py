@@ -1,4 +1,9 @@
-"""The kernelised-state mechanism (spec 9 D5, "Mode C"): release ``P(K)^T [V | 1] + noise`` once.
+"""The kernelised-state mechanism ("Mode C"): release ``P(K)^T [V | 1] + noise`` once.
+
+For the softmax kernel the DPTree's answers are this linear-attention state read at P(q), plus
+tree noise and an own-leaf bias: the trees, bins and the P_wx/Value cancellation only add noise.
+Releasing the state directly is therefore far more accurate (not in the paper), and it is DP for
+the whole state at once: all rows, all columns, any number of adaptive queries.
 
 ``KernelStateBuilder`` accumulates the exact state chunk by chunk (chunked prefill) and is the
 only holder of exact private data; ``release`` adds the noise once and returns a

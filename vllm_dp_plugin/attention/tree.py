@@ -1,4 +1,4 @@
-"""Mode B ``tree``: the vectorised, faithful DPTree cross-attention release (spec 10.3).
+"""Mode B ``tree``: the vectorised, faithful DPTree cross-attention release (GPU formulation).
 
 Same output distribution as the literal Alg. 1-7 oracle (``reference``) for the same
 ``TreeSpec``; with the same injected node noise (canonical layout of ``tree_spec``) the same
@@ -10,8 +10,9 @@ over ``u_j = PK[h, j, f]`` in ``[lo_f, hi_f]`` with N leaves:
   moments ``sum_j Wt[h, j, w] u_j^q``, q = 0, 1, 2; internal nodes are level sums; every node
   but the root gets independent TLap noise (scale ``spec.sensitivity[w, f, q] * unit``);
 * ``DistanceQuery(y) = y^2 S_0 - 2 y S_1 + S_2`` with ``S_q`` = the sum of the noisy SIBLINGS of
-  y's leaf's root path (one per layer: ``c_left + c_right`` of Alg. 2; the own leaf is excluded,
-  spec D2);
+  y's leaf's root path (one per layer: ``c_left + c_right`` of Alg. 2; the own leaf is excluded
+  on purpose: adding its exact value back would make answers no longer post-processing of the
+  noisy tree);
 * ``P_wx = sum_f DistanceQuery_f(0)``; ``s_w`` = the s_w tree (data all 1 over ``[0, sw_hi]``,
   moment 2 only) queried at 0; ``answer(v) = 1/2 (P_wx + s_w ||v||^2 - sum_f DistanceQuery_f(v_f))``
   per copy, median over the C copies.
@@ -24,7 +25,7 @@ weights and exact leaves are dropped. Query: ``gather_contract`` (kernel) in flo
 
 Memory / dtype decisions:
 * Stored state = ``PS`` as ``[H, F, N, C*3*W]`` in ``dtype`` (float32 default: serving/bench,
-  4 H F N C 3 W bytes, spec 10.3; float64 doubles it and is what tests use to compare with the
+  4 H F N C 3 W bytes; float64 doubles it and is what tests use to compare with the
   oracle at 1e-9) + ``P_wx``, ``s_w`` ``[H, C, W]`` float64 (computed from the float64 table
   before the cast). Everything is built and contracted in float64; only storage is rounded, and
   fp32 rounding (~6e-8 relative per entry) is negligible next to the DP noise it stores.
@@ -225,7 +226,7 @@ class TreeRelease:
 class TreeMode:
     """``mode="tree"`` (``ReleaseMode``): the rows are collected until the release, which needs
     all of them (``TreeRows``); one generator per KV head builds head by head and ``stack``s.
-    Queries run in float64 (the P_wx / Value cancellation, spec 10.3)."""
+    Queries run in float64 (P_wx and Value are large and nearly cancel)."""
 
     def query_dtype(self, layer: ReleaseContext) -> torch.dtype:
         return torch.float64

@@ -5,7 +5,8 @@ Canonical noise layout (both modes consume exactly these tensors when noise is i
   column, copy, feature, moment q); heap-indexed nodes 1..2N-1 at positions 1..2N-1 (node 1 is
   the root: never read, never released; position 0 unused).
 * ``sw_noise: [H, W, C, 2N]`` float64: the s_w tree's moment-2 nodes (its q = 0, 1 trees are
-  never read and are skipped, spec 5.6).
+  never read, since s_w is queried only at 0 where their y^{2-q} factors vanish, so skipping
+  them leaves the output distribution unchanged).
 W = d_v + 1 columns; column ``d_v`` is the all-ones weight (the softmax denominator, Alg. 1 D_0).
 """
 
@@ -66,7 +67,11 @@ def make_tree_spec(
     value_dim: int,
     n: int,
 ) -> TreeSpec:
-    """Ranges and sensitivities from public bounds only (spec 4.2, 4.5, 10.2.4b, A11)."""
+    """Ranges and sensitivities from public bounds only: feature f's range is [0, Gamma_f]
+    ([-Gamma_f, Gamma_f] for signed inputs), moment q of a weight column with bound R_w has
+    sensitivity 2 R_w Gamma_f^q (R_w = 1 for the ones column under ``ones_sensitivity="unit"``),
+    and the s_w tree, whose data are identically 1, ranges over [0, 1] (``sw_range="unit"``) or
+    the paper's [0, R]."""
     if params.ranges == "global":
         if not isinstance(features, TaylorFeatures):
             raise ValueError("ranges='global' (Gamma_{R,s}) is defined for Taylor features only")

@@ -774,7 +774,7 @@ def markdown(data: dict) -> str:
              (f"Command: {commands}. Model: `{data['model']}`. Scenarios: `{data['scenarios']}` "
              f"({data['n_scenarios']} scenarios: {counts['shared']} shared-fact, {counts['secret']} secret and "
              f"{counts['public']} public questions; a row with fewer questions answered the first scenarios "
-             "only, `--limit`). Greedy, {data['max_tokens']} tokens; an answer "
+             f"only, `--limit`). Greedy, {data['max_tokens']} tokens; an answer "
              "is correct when one of its answers occurs in the completion (case-insensitive). "
              "`none`: no context; `full`: the documents as plain text (exact attention); `dp_*`: the "
              "documents as the private context (DP attention), eps for the whole model per context, "

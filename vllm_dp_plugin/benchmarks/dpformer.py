@@ -1,21 +1,22 @@
-"""DPFormer reproduction on synthetic long-tailed data (dpformer spec 4.5, 4.7, 5, 6; issue 6).
+"""DPFormer reproduction on synthetic long-tailed data (issue 6).
 
 Data: ``trainer.synthetic`` users (Zipf item popularity, cluster transitions; default 1000
 private users, 300 items, sequences of at most 15 items) split leave-one-out (train
 ``s_1..s_{n-2}``, test ``s_n``; the validation item ``s_{n-1}`` is not trained on and not used).
-Re-Attention's item frequencies ``p_v`` (spec 4.2) come from a **disjoint public sample**:
-``--public-users`` further users drawn from the same generator (same popularity and clusters)
-and never trained on, so ``p_v`` costs no privacy.
+Re-Attention's item frequencies ``p_v`` (the fraction of sequences containing v) come from a
+**disjoint public sample**: ``--public-users`` further users drawn from the same generator (same
+popularity and clusters) and never trained on, so ``p_v`` costs no privacy.
 
 Methods, all the paper's model (``DPFormerRec``: d = 64, 1 head, 2 post-LN blocks, tied item
 table, dropout 0.2), Adam with weight decay 1e-5 and per-step linear warm-up (20%) then linear
-decay to 0 (spec 5.1), the same Poisson batches (rate ``q = B / N``, ``T = ceil(epochs / q)``):
+decay to 0 (the paper's schedule), the same Poisson batches (rate ``q = B / N``,
+``T = ceil(epochs / q)``):
 
 * ``non-private``: plain Adam on the mean loss of the sampled batch;
 * ``vanilla``: DP-Adam (AUTO-S clipping, C = 1) without Re-Attention;
-* ``dpformer``: DP-Adam with Re-Attention at the spec defaults (lambda = 1, b_min = 1, kappa = inf);
+* ``dpformer``: DP-Adam with Re-Attention, paper-literal (lambda = 1, b_min = 1, kappa = inf);
 * ``dpformer-lam<x>``: the same with lambda = x for every further ``--lambdas`` value, a TUNED
-  knob: choosing it on the private data spends privacy that is not accounted (spec 4.7).
+  knob: choosing it on the private data spends privacy that is not accounted.
 
 DP runs use sigma from the RDP accountant for (eps, delta = 1 / (2N)) at each ``--epsilons``
 value. Metrics: NDCG@10 / HIT@10 with full ranking over all items, the user's history excluded
@@ -245,10 +246,11 @@ def most_pop(dataset: Dataset) -> RankingMetrics:
 
 @torch.no_grad()
 def layer1_correction(model: DPFormerRec, ids: torch.Tensor) -> dict[str, float] | None:
-    """Median layer-1 Re-Attention logit correction (logits subtracted, spec 4.4/4.7) of the
-    eval-mode ``model`` on ``ids: [U, L]``, over causal (query, key) pairs of real items, split by
-    the key item: ``tail`` where ``B p_v < b_min`` (the clamp binds, sigma_eff = sigma_dp / b_min),
-    ``head`` otherwise (NaN when a group is empty). None for a model without Re-Attention."""
+    """Median layer-1 Re-Attention logit correction (``||q_t||^2 v_K / (2 d_h)``, in logits
+    subtracted) of the eval-mode ``model`` on ``ids: [U, L]``, over causal (query, key) pairs of
+    real items, split by the key item: ``tail`` where ``B p_v < b_min`` (the clamp binds,
+    sigma_eff = sigma_dp / b_min), ``head`` otherwise (NaN when a group is empty). None for a
+    model without Re-Attention."""
     if not model.correcting:
         return None
     attn, cfg = model.blocks[0].attn, model.reattention

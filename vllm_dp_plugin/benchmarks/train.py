@@ -1,4 +1,4 @@
-"""``vllm-dp bench train``: step time and peak memory of DP training (dpformer spec 3.5, 6.6).
+"""``vllm-dp bench train``: step time and peak memory of DP training (DPFormer's efficiency claims).
 
 One Hugging Face GPT-2 causal LM (``Conv1D`` projections, learned positions, LayerNorm, a 50257
 token vocabulary whose output head is tied to the input embedding), one fixed synthetic batch
@@ -12,7 +12,8 @@ token vocabulary whose output head is tied to the input embedding), one fixed sy
   no norm rule for: LayerNorm by its own rule, Hugging Face Conv1D through ``torch.func``) on
   the same tied model;
 * ``opacus_ghost_untied``: the same with an untied output head (``nn.Linear``), the model Opacus
-  can run (spec 3.5's "sane baseline": expect parity, not the paper's 100x);
+  can run (a sane baseline: expect parity, not the paper's 100x, which fits a ghost-clipping
+  baseline whose untied output layer is an embedding lookup of all M items);
 * ``naive_vmap``: per-sample gradients ``vmap(grad(loss))``, clipped, summed, noised, Adam;
   skipped when ``B * P`` float32 per-sample gradients (x ``NAIVE_COPIES``) exceed half the free
   memory.

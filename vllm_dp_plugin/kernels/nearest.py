@@ -1,4 +1,4 @@
-"""Nearest-candidate fast pass: fused GEMM + running top-k (trlaplace spec 6.2.6).
+"""Nearest-candidate fast pass: fused GEMM + running top-k over the public candidate table.
 
 For queries ``q [n, d]`` (fp32: the noisy vectors r), candidate rows ``e [K, d]`` (fp32 or bf16:
 ``CandidateIndex.fast_rows``) and ``sq_norms [K]`` fp32 (``||e||^2`` of the fp32 rows), the score

@@ -1,4 +1,4 @@
-"""DPTree build: binning + exact leaf moment histograms (DP cross-attention spec 10.3, build 3-4).
+"""DPTree build: binning + exact leaf moment histograms (the exact data of every tree's leaves).
 
 For one KV head, ``pk [n, F]`` (the feature value u of row j in tree f), ``weights [n, W]``
 (the weight column w, last one the all-ones denominator column), ``lo, hi [F]`` and ``leaves`` N:

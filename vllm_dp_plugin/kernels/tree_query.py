@@ -1,4 +1,4 @@
-"""DPTree query: gather-contract over the path-sum table (DP cross-attention spec 10.3, query 2).
+"""DPTree query: gather-contract over the path-sum table (one gather per query feature).
 
 For one KV head, ``table [F, N, C*3*W]`` (the path-sum table ``PS[f, leaf, c, q, w]``, float32
 or float64, trailing dim ordered (c, q, w)), ``bins [m, F]`` (the leaf of each query feature) and

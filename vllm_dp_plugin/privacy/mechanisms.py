@@ -136,8 +136,10 @@ def truncated_laplace_bound(sensitivity: float, epsilon: float, delta: float) ->
 def truncated_laplace_mechanism(sensitivity: float, epsilon: float, delta: float) -> Mechanism:
     """TLap(Delta, eps, delta) (Def. 3.4): (eps, delta)-DP for a scalar of sensitivity Delta.
 
-    Requires delta < 1/2 so that B >= Delta (the DP proof's shifted-support region has mass
-    exactly delta; dp_cross_attention spec 3.2). Its variance is Fact 3.5:
+    Requires delta < 1/2 so that B >= Delta: shifting by Delta, the only region where the
+    likelihood ratio exceeds e^eps is [-B, -B + Delta), whose mass
+    ``(e^eps - 1) e^{-B/lambda} / (2 (1 - e^{-B/lambda}))`` (lambda = Delta/eps) is exactly
+    delta for this B. Its variance is Fact 3.5:
     (2 Delta^2/eps^2) (1 - delta (a^2 + 2a)/(e^eps - 1)), a = log(1 + (e^eps - 1)/(2 delta)).
     """
     sensitivity = check_positive(sensitivity, "sensitivity")

@@ -70,7 +70,8 @@ class LaplaceNoise(NoiseDistribution):
 
     Truncation mass parameter ``p = 1 - exp(-bound/scale)`` (p = 1 when untruncated).
     Sampling is the exact inverse CDF of ``|z|``: ``|z| = -scale * log1p(-p U)`` with an
-    independent Rademacher sign (trlaplace spec S12), never rejection.
+    independent Rademacher sign (|z| has CDF ``(1 - e^{-x/scale}) / p`` on [0, bound], and the
+    density is even), never rejection: the same law as the TrLaplace paper's rejection sampler.
     """
 
     scale: float
@@ -99,7 +100,8 @@ class LaplaceNoise(NoiseDistribution):
 
     @property
     def variance(self) -> float:
-        """scale^2 * (2 - L(L+2)/expm1(L)), L = bound/scale (trlaplace spec S11; Fact 3.5)."""
+        """scale^2 * (2 - L(L+2)/expm1(L)), L = bound/scale (integration by parts; equal to the
+        DP cross-attention paper's Fact 3.5)."""
         if math.isinf(self.bound):
             return 2.0 * self.scale**2
         ratio = self.bound / self.scale

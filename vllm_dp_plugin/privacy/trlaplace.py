@@ -2,11 +2,16 @@
 
 Three calibrations of the same i.i.d. per-coordinate law ``LaplaceNoise(1/alpha, A)``:
 
-* ``corrected`` (default, Thm 3' of the trlaplace spec, S10): valid (eps, delta)-DP for any two
-  inputs with ``||x - x'||_1 <= D1`` and ``||x - x'||_inf <= Dinf`` (clipping gives
-  D1 = 2 sqrt(d) C, Dinf = 2C).
-* ``paper`` (Thm 3 exactly as printed): NOT (eps, delta)-DP for d > 1 (spec 2.7); paper-literal
-  reproduction only. ``pair_delta`` / ``sparse_pair_delta`` compute the delta it really has.
+* ``corrected`` (default): ``alpha = eps/D1``,
+  ``A = (D1/eps) ln(1 + (D1/Dinf) (e^{eps Dinf/D1} - 1) / (2 delta))``; valid (eps, delta)-DP
+  (when A >= Dinf) for any two inputs with ``||x - x'||_1 <= D1`` and ``||x - x'||_inf <= Dinf``
+  (clipping gives D1 = 2 sqrt(d) C, Dinf = 2C). At d = 1 it is Geng et al.'s 1-D truncated
+  Laplace; in high d its variance is within ~1% of plain Laplace.
+* ``paper`` (Thm 3 exactly as printed): NOT (eps, delta)-DP for d > 1: its proof bounds the mass
+  where *all* coordinates leave the other input's support, but one coordinate suffices (d = 300,
+  eps = 0.1, inputs +-C e_1: an event of probability 0.248 under one and 0 under the other,
+  against a claimed delta of 4^-300); paper-literal reproduction only. ``pair_delta`` /
+  ``sparse_pair_delta`` compute the delta it really has.
 * ``repo`` (the authors' code path): Thm 3 with delta^(1/d) = 1/4 and the dummy-dimension switch
   ``d_eff = 500 if eps == 10 else 1700`` for eps > 8.6; pass ``clip_norm=REPO_CLIP_NORM`` to use
   the repo's calibration constant. Reproduction only, equally not DP.
@@ -43,7 +48,8 @@ def trlaplace_mechanism(
     """TrLaplace noise for embeddings clipped to l2 norm ``clip_norm`` in R^``dim``.
 
     ``corrected``: needs ``delta``; ``sensitivity_l1``/``sensitivity_linf`` may tighten the
-    clipping bounds with public input-domain bounds (spec 6.2.3). ``paper``: ``delta`` is the
+    clipping bounds with public input-domain bounds (word-level DP quantifies only over pairs of
+    input-domain tokens, so any bound over them is valid). ``paper``: ``delta`` is the
     claimed delta (default 4^-d_eff); ``effective_dim`` is Remark 1's dummy dimension.
     ``repo``: ignores ``delta``/``effective_dim`` and uses the repo's constants.
     """
@@ -84,7 +90,9 @@ def _corrected(
     delta = check_delta(delta)
     d1 = check_positive(sensitivity_l1 or 2.0 * math.sqrt(dim) * clip_norm, "sensitivity_l1")
     dinf = check_positive(sensitivity_linf or 2.0 * clip_norm, "sensitivity_linf")
-    # (S10): A = (D1/eps) ln(1 + (D1/Dinf) (e^{eps Dinf/D1} - 1) / (2 delta))
+    # A = (D1/eps) ln(1 + (D1/Dinf) (e^{eps Dinf/D1} - 1) / (2 delta)): the union bound over
+    # coordinates of the support-exit probability (1-p)(e^{alpha |Delta_j|} - 1)/(2p), maximised
+    # over ||Delta||_1 <= D1, ||Delta||_inf <= Dinf by convexity, set equal to delta
     bound = (d1 / epsilon) * math.log1p((d1 / dinf) * math.expm1(epsilon * dinf / d1) / (2 * delta))
     if bound < dinf:
         raise ValueError(
@@ -97,7 +105,8 @@ def _corrected(
 def _theorem_3(
     epsilon: float, dim: int, clip_norm: float, d_eff: int, log_delta_root: float, label: str
 ) -> Mechanism:
-    """Thm 3 as printed (S2): alpha = eps/(2 sqrt(d_eff) C), p = eps/(2 delta^(1/d_eff) sqrt(d_eff))."""
+    """Thm 3 as printed, in closed form: alpha = eps/(2 sqrt(d_eff) C),
+    p = 1 - e^{-alpha A} = eps/(2 delta^(1/d_eff) sqrt(d_eff))."""
     if d_eff < dim:
         raise ValueError(f"effective_dim {d_eff} must be >= dim {dim}")
     delta_root = math.exp(log_delta_root)
@@ -130,7 +139,8 @@ def _theorem_3(
 
 
 def _exit_probability(noise: LaplaceNoise, shift: torch.Tensor) -> torch.Tensor:
-    """q(t) = P[eta > A - t] for one coordinate shifted by t = |Delta_j| (trlaplace spec S8)."""
+    """q(t) = P[eta > A - t] for one coordinate shifted by t = |Delta_j|: the probability that
+    this coordinate of x + eta falls outside the support of x' + eta'."""
     if math.isinf(noise.bound):
         return torch.zeros_like(shift)
     scale, bound = noise.scale, noise.bound
@@ -141,7 +151,8 @@ def _exit_probability(noise: LaplaceNoise, shift: torch.Tensor) -> torch.Tensor:
 
 
 def pair_delta(mechanism: Mechanism, diff: torch.Tensor) -> torch.Tensor:
-    """Exact delta(eps) between inputs x and x' with x - x' = ``diff`` ([..., d]) (spec S7).
+    """Exact delta(eps) between inputs x and x' with x - x' = ``diff`` ([..., d]): the mass of
+    outputs outside the other input's support (inside it the density ratio is at most e^eps).
 
     Valid when ``||diff||_1 / scale <= eps``, which clipping guarantees; raises otherwise.
     Returns ``1 - prod_j (1 - q(|diff_j|))`` computed as ``-expm1(sum log1p(-q))``, shape [...].

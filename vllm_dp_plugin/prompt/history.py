@@ -1,4 +1,5 @@
-"""History cache (spec 6.2.7): a user segment is privatized once per *namespace*.
+"""History cache: a user segment is privatized once per *namespace* (privatizing it again on
+every turn would hand out repeated samples of the same tokens, each spending budget).
 
 Its privatized ids are stored under the deployment's keyed MAC (``NoiseKey.mac``) of the
 namespace, the mechanism, epsilon, delta, mode, the segment's own ids and its position (message
@@ -18,7 +19,7 @@ import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .lru import LRU
+from ..lru import LRU
 from .options import PromptOptions
 from .segments import canonical
 

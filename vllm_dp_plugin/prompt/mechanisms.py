@@ -1,21 +1,25 @@
 """Token mechanisms for prompt privatization, each with its honest per-token guarantee.
 
 The privacy unit is one token: a mechanism is (epsilon, delta)-DP per token when, for ANY two
-input-domain tokens w, w' (trlaplace spec Def 2), its output laws satisfy the DP inequality.
+input-domain tokens w, w' (word-level DP, the TrLaplace paper's Def 2: any token against any
+other, not metric DP), its output laws satisfy the DP inequality.
 All mechanisms act on the clipped public table of an ``EmbeddingTable``, draw fresh float64
 noise for every token (never one vector shared across tokens), and are built by
 ``token_mechanism(name, table, epsilon, delta)``:
 
-* ``trlap_corrected`` (default): TrLaplace with the corrected calibration (Thm 3', spec S10) and
-  the table's exact l1/linf sensitivities; (epsilon, delta)-DP.
+* ``trlap_corrected`` (default): TrLaplace with the corrected calibration
+  (``A = (D1/eps) ln(1 + (D1/Dinf) (e^{eps Dinf/D1} - 1) / (2 delta))``, ``privacy.trlaplace``)
+  and the table's exact l1/linf sensitivities; (epsilon, delta)-DP.
 * ``trlap_paper`` / ``trlap_repro``: Thm 3 as printed / as in the authors' code (its d_eff switch
   and delta^(1/d) = 1/4, applied to the table's C; noise is still fresh per token). NOT DP at the
-  claimed delta (spec 2.7): a loud warning is emitted and the *true* per-token delta over the
+  claimed delta (its proof misses that one coordinate leaving the shared support suffices; the
+  true delta is up to ~1): a loud warning is emitted and the *true* per-token delta over the
   input domain is recorded, never 4^-d. Reproduction only.
 * ``laplace``: Laplace of l1 sensitivity; pure epsilon-DP.
 * ``gaussian_analytic``: analytic Gaussian (Balle & Wang) of l2 sensitivity = exact diameter.
 * ``expmech``: exponential mechanism over the candidates, ``Pr[c | w] ~ exp(-eps ||x_w - x_c||_2 /
-  (2 Delta_2))`` sampled with Gumbel-max; pure epsilon-DP (spec 6.2.10).
+  (2 Delta_2))`` sampled with Gumbel-max; pure epsilon-DP (not in the TrLaplace paper: it is
+  the option with both an honest guarantee and usable utility in high d).
 * ``mahalanobis`` / ``cmp``: metric DP (Xu et al. 2020 / Feyisetan et al. 2020; ``cmp`` is
   lambda = 0). ``epsilon`` is the METRIC epsilon per unit distance; over the input domain it
   converts to pure (epsilon * Delta_2)-DP per token, Delta_2 the diameter in the mechanism's metric.
@@ -268,7 +272,7 @@ def _core_mechanism(
             sensitivity_l1=table.sensitivity_l1,
             sensitivity_linf=table.sensitivity_linf,
         )
-    except OverflowError:  # (S10) evaluates exp(eps * linf / l1) in float64
+    except OverflowError:  # the corrected bound A evaluates exp(eps * linf / l1) in float64
         raise ValueError(
             f"epsilon={epsilon} is too large for the corrected TrLaplace calibration: "
             f"exp(eps * {table.sensitivity_linf:.4g} / {table.sensitivity_l1:.4g}) overflows float64"
@@ -289,9 +293,10 @@ def _coordinate(name: str, table: EmbeddingTable, core: Mechanism) -> Coordinate
 
 def reproduction_delta(noise: Mechanism, table: EmbeddingTable) -> tuple[float, bool]:
     """True delta at ``noise.epsilon`` of a (truncated) Laplace calibration on ``table``: the exact
-    (S7) maximum over ALL input-domain pairs when ``V^2 d <= EXACT_DELTA_TERMS`` (returns
-    ``(delta, True)``), else the maximum over an evenly spaced public subset of rows, which is
-    a lower bound on the true delta (returns ``(delta, False)``)."""
+    maximum of the pairwise delta (``trlaplace.pair_delta``) over ALL input-domain pairs when
+    ``V^2 d <= EXACT_DELTA_TERMS`` (returns ``(delta, True)``), else the maximum over an evenly
+    spaced public subset of rows, which is a lower bound on the true delta (returns
+    ``(delta, False)``)."""
     rows = table.clipped
     count = min(table.vocab_size, math.isqrt(EXACT_DELTA_TERMS // table.dim))
     if count < table.vocab_size:

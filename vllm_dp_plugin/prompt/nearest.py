@@ -1,4 +1,6 @@
-"""Nearest-candidate search over the fixed public candidate table (trlaplace spec 6.2.6).
+"""Nearest-candidate search over the fixed public candidate table: the projection of a noisy
+embedding back to a token (post-processing with public data, so its accuracy affects utility
+only, never privacy).
 
 For queries ``r [n, d]`` and candidate rows ``e [K, d]`` the nearest candidate minimises the
 score ``s = ||e||^2 - 2 <e, r>`` (``||r||^2`` is constant per query), i.e. one GEMM per chunk of

@@ -11,7 +11,7 @@
 The returned ``PrivacyReceipt`` states the per-token guarantee and its composition over the
 privatized tokens of this prompt (basic and advanced; ``total`` is the smaller epsilon) computed
 by the privacy core's ``PrivacyLedger``. Not protected: prompt length, positions of the
-pass-through tokens, and the segment structure (spec 6.2.9).
+pass-through tokens, and the segment structure.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""Receipts (spec 6.2.9). ``PromptReceipt`` states the per-token guarantee, how many tokens
-were privatized in this prompt, how many of them were noised now (the budget this request spent)
-versus reused from the cache, and the composition (basic, advanced and the smaller) over both
-counts. It contains no text, no ids and nothing about the noise seed.
+"""Receipts: the privacy accounting of one prompt. ``PromptReceipt`` states the per-token
+guarantee, how many tokens were privatized in this prompt, how many of them were noised now (the
+budget this request spent) versus reused from the cache, and the composition (basic, advanced
+and the smaller) over both counts. It contains no text, no ids and nothing about the noise seed.
 """
 
 from __future__ import annotations

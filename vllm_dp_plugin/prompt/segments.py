@@ -1,6 +1,6 @@
-"""Segments (trlaplace spec 6.2.5): a prompt is a sequence of ``Segment`` s, each tokenised on
-its own: template pieces (system prompt, assistant turns, role markers) pass through, user
-segments are private.
+"""Segments: a prompt is a sequence of ``Segment`` s, each tokenised on its own: template pieces
+(system prompt, assistant turns, role markers) pass through, user segments are private. The
+privacy unit is the token, so a word split into k pieces costs k epsilon.
 
 The renderer's one pure step per prompt is ``segment_chat`` (a chat rendered with the user
 texts and with sentinels in their place: locate, tokenise, truncate) or ``segment_completion``
@@ -104,9 +104,9 @@ def chat_segments(
     cache_keys: Sequence[Any],
     encode: Callable[[str], list[int]],
 ) -> list[Segment]:
-    """Segment-aware tokenisation (spec 6.2.5): every template piece and every user text is
-    tokenised on its own (``encode``: text -> ids without added special tokens), so no BPE merge
-    crosses a template/user boundary and the private mask is exact."""
+    """Segment-aware tokenisation: every template piece and every user text is tokenised on its
+    own (``encode``: text -> ids without added special tokens), so no BPE merge crosses a
+    template/user boundary and the private mask is exact."""
     segments = []
     for i, piece in enumerate(pieces):
         if piece:

@@ -7,12 +7,12 @@ modules it is built from (all re-exported here):
   against the ``dp_privacy.prompt`` section (``resolve_options``, ``PromptOptionError``).
 * ``request``: the current request's options, credential and receipts (``PromptRequest``,
   ``current_request``, ``prompt_request`` around ``LLM`` calls).
-* ``segments`` (spec 6.2.5): a prompt as ``Segment`` s tokenised on their own, user segments
+* ``segments``: a prompt as ``Segment`` s tokenised on their own, user segments
   private; one pure step per prompt (``segment_chat``, ``segment_completion``), ``splice``
   for the exact private mask.
-* ``history`` (spec 6.2.7): ``HistoryCache``, privatized segments reused within a
+* ``history``: ``HistoryCache``, privatized segments reused within a
   ``dp_session`` namespace (never without one: a shared namespace is a membership oracle).
-* ``receipts`` (spec 6.2.9): ``PromptReceipt``, what privatizing one prompt spent.
+* ``receipts``: ``PromptReceipt``, what privatizing one prompt spent.
 
 ``PromptPrivacy`` puts it together: cached privatizers per (mechanism, epsilon, delta), one
 generator per request for the tokens not in the cache, its whole mt19937 state drawn from
@@ -30,9 +30,9 @@ import torch
 
 from ..kernels.nearest_reference import fast_topk_torch, select_within_bound
 from ..kernels.types import FastPass, SelectPass
+from ..lru import LRU
 from ..privacy.keyed_noise import fresh_generator, seeded_generator
 from .history import HistoryCache
-from .lru import LRU
 from .mechanisms import token_mechanism
 from .options import (
     MAX_SESSION_CHARS,

@@ -1,4 +1,4 @@
-"""The public embedding table every token mechanism works in (trlaplace spec 4.4, 6.2.2-6.2.4).
+"""The public embedding table every token mechanism works in (noise, projection, candidates).
 
 Built once from the served model's input-embedding matrix, which is public (part of the
 weights), so everything here is public and costs no privacy:
@@ -9,9 +9,10 @@ weights), so everything here is public and costs no privacy:
 * rowwise l2 clipping to ``C`` = a quantile of the centred row norms (Eq. 1);
 * the fixed candidate set: input-domain ids minus the special/added/reserved ids; it never
   depends on the input being privatized;
-* sensitivities over *all* input-domain pairs (spec 6.2.3): l1 <= min(2 sqrt(d) R, sum_j
-  range_j), linf <= min(2 R, max_j range_j) with R the largest clipped norm (= C up to
-  rounding), and l2 = the exact diameter of the clipped rows (chunked float64 GEMM, on first use).
+* sensitivities over *all* input-domain pairs (word-level DP quantifies only over those pairs,
+  so bounds over the input domain are valid): l1 <= min(2 sqrt(d) R, sum_j range_j),
+  linf <= min(2 R, max_j range_j) with R the largest clipped norm (= C up to rounding), and
+  l2 = the exact diameter of the clipped rows (chunked float64 GEMM, on first use).
 """
 
 from __future__ import annotations

@@ -12,8 +12,10 @@ def install() -> None:
     """Override ``CPU_ATTN`` (CPU ignores ``--attention-backend``), register ``CUSTOM`` (CUDA)
     and the ``dp_private`` tokenizer mode, each a pass-through until ``dp_privacy`` is set; give
     vLLM's workers the ``verify.LAYER_REPORT`` method (the endpoint plugin's start-up check
-    calls it with ``collective_rpc``); and make the V1 model runner announce which private context
-    each request of a step reads (``batch_contexts``; a pass-through without private contexts)."""
+    calls it with ``collective_rpc``); make the V1 model runner announce which private context
+    each request of a step reads (``batch_contexts``; a pass-through without private contexts);
+    and give English-only Whisper checkpoints their trained decoder prompt (``whisper``)."""
+    from vllm import ModelRegistry
     from vllm.renderers.registry import RENDERER_REGISTRY
     from vllm.tokenizers.registry import TokenizerRegistry
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
@@ -31,3 +33,4 @@ def install() -> None:
     if TOKENIZER_MODE not in RENDERER_REGISTRY.renderers:
         RENDERER_REGISTRY.register(TOKENIZER_MODE, "vllm_dp_plugin.serving.renderer", "DPRenderer")
     batch_contexts.install()
+    ModelRegistry.register_model("WhisperForConditionalGeneration", "vllm_dp_plugin.serving.whisper:Whisper")

@@ -27,7 +27,8 @@ logger = logging.getLogger("vllm.dp_privacy")
 
 EMBEDDING_SUFFIXES = ("embed_tokens.weight", "word_embeddings.weight", "wte.weight")
 # reserved/unused vocabulary pieces that are not flagged special (BERT's [unusedN], Llama 3's
-# reserved tokens when a tokenizer does not flag them): never candidates either (spec 6.2.4)
+# reserved tokens when a tokenizer does not flag them): never candidates either (the candidate
+# set is fixed and public, so excluding them is post-processing)
 RESERVED = re.compile(r"\[unused\d+\]|<\|reserved_special_token_\d+\|>")
 
 

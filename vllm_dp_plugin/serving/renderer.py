@@ -16,8 +16,9 @@ them; the logic lives in ``prompt`` (``prompt.session``; one pure segmentation s
 
 * chat (``render_messages[_async]``): the template is rendered twice, with the user texts and
   with sentinels in their place, which locates the user segments exactly; template pieces and
-  user texts are tokenised separately and spliced (spec 6.2.5). System prompt, assistant turns
-  and template tokens pass through.
+  user texts are tokenised separately and spliced (no BPE merge crosses a template/user
+  boundary, so the private mask is exact). System prompt, assistant turns and template tokens
+  pass through.
 * completions (``process_for_engine[_async]``): a text prompt is private except the special
   tokens the tokenizer adds (mask from ``_tokenize_prompt``, carried across truncation); in a
   token-id prompt every non-special id is private (special ids are the client's template).
@@ -50,7 +51,7 @@ import torch
 from vllm.renderers.hf import HfRenderer
 
 from ..config import ConfigError
-from ..prompt.lru import LRU
+from ..lru import LRU
 from ..prompt.session import (
     OPTION_CONTEXT,
     PrivatizedPrompt,

@@ -16,14 +16,6 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ..attention.plan import (
-    UNIT,
-    ContextPlan,
-    ModelShape,
-    check_model,
-    context_reports,
-    release_rules,
-)
 from ..config import (
     CONFIG_KEY,
     ConfigError,
@@ -31,6 +23,14 @@ from ..config import (
     config_from_json,
     parse_section,
     section_json,
+)
+from ..plan import (
+    UNIT,
+    ContextPlan,
+    ModelShape,
+    check_model,
+    context_reports,
+    release_rules,
 )
 from ..privacy.keyed_noise import NoiseKey
 from ..privacy.release_ledger import ReleaseLedger

@@ -1,4 +1,4 @@
-"""Privacy accounting of DP-SGD / DP-Adam training (dpformer spec 5.2) on dp-accounting.
+"""Privacy accounting of DP-SGD / DP-Adam training on dp-accounting.
 
 One training step is a Poisson-subsampled Gaussian mechanism: each of the N training samples is
 in the step's batch independently with probability ``sample_rate = q``, and the clipped sum

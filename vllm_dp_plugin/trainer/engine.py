@@ -1,4 +1,4 @@
-"""DP-SGD / DP-Adam engine (dpformer spec 2, 3.7, 3.8): per-sample clipping without per-sample
+"""DP-SGD / DP-Adam engine (as in DPFormer and fastDP): per-sample clipping without per-sample
 gradients ("book-keeping", one backward) and Gaussian noise, for models built from supported
 module types.
 
@@ -440,9 +440,9 @@ def causal_lm_per_sample_loss(
 
 
 def warmup_linear_decay(step: int, total: int, warmup_frac: float = 0.2) -> float:
-    """Learning-rate factor of step ``step`` (1-based) of ``total`` (spec 5.1 line 12): linear
-    warm-up ``t / T_w`` up to ``T_w = warmup_frac * total``, then linear decay ``(T - t) / (T - T_w)``
-    to 0 at ``t = T``."""
+    """Learning-rate factor of step ``step`` (1-based) of ``total`` (DPFormer's schedule, taken
+    per step and decayed to 0): linear warm-up ``t / T_w`` up to ``T_w = warmup_frac * total``,
+    then linear decay ``(T - t) / (T - T_w)`` to 0 at ``t = T``."""
     check_count(total, "total")
     if not 0 <= warmup_frac < 1:
         raise ValueError(f"warmup_frac must lie in [0, 1), got {warmup_frac!r}")

@@ -1,10 +1,12 @@
-"""Full-ranking evaluation (dpformer spec 6.3): the held-out item is ranked among ALL items.
+"""Full-ranking evaluation: the held-out item is ranked among ALL items (the DPFormer paper does
+not state its protocol, but it must be full ranking: under SASRec's 1 positive + 100 sampled
+negatives a random ranker already scores HIT@10 ~ 9.9%, above the paper's DP GRU/LSTM rows).
 
 Protocol: the pad id is never a candidate; with ``exclude`` (default in ``evaluate_ranking``: the
-user's input history) those items are removed from the candidates too (the RecBole convention,
-spec 7.1 #28), except the target itself, so a repeated purchase stays rankable. Rank ``r`` (from 0)
-counts the candidates scoring above the target plus every other candidate tied with it
-(pessimistic ties: a constant scorer gets no credit). ``HIT@k = [r < k]``,
+user's input history) those items are removed from the candidates too (the RecBole convention;
+the paper is silent), except the target itself, so a repeated purchase stays rankable. Rank
+``r`` (from 0) counts the candidates scoring above the target plus every other candidate tied
+with it (pessimistic ties: a constant scorer gets no credit). ``HIT@k = [r < k]``,
 ``NDCG@k = [r < k] / log2(r + 2)``, averaged over users.
 """
 

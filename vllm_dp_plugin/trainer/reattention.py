@@ -1,17 +1,19 @@
-"""Re-Attention (dpformer spec 4.2-4.4): track the DP-noise variance of every activation and
+"""Re-Attention (DPFormer): track the DP-noise variance of every activation and
 remove the key-variance bias from attention logits.
 
 Units. DP-SGD adds ``N(0, sigma_dp^2 C^2)`` to the sum of ``B`` clipped per-sample gradients
 (``C = 1``), so a parameter relevant to ``B_eff`` samples of a batch carries per-coordinate
-variance ``lam * (sigma_dp / B_eff)^2`` (spec 4.2 [C]). Block weights and positions are relevant
-to every sample (``B_eff = B``); item/token row ``v`` only to sequences containing ``v``
-(``B_eff = max(B p_v, beff_min)``). Every propagated variance is one scalar per token (and per
-head where heads differ), computed under ``torch.no_grad`` in float32 (float64 for float64
-inputs), with the tensors the modules actually consumed as the means; dropout masks and
-normalisation statistics are treated as constants.
+variance ``lam * (sigma_dp / B_eff)^2`` (the paper's effective error ``sigma_dp / B_eff`` read
+as a per-coordinate std, scaled by the calibration knob ``lam``; lam = 1 is literal). Block
+weights and positions are relevant to every sample (``B_eff = B``); item/token row ``v`` only to
+sequences containing ``v`` (``B_eff = max(B p_v, beff_min)``). Every propagated variance is one
+scalar per token (and per head where heads differ), computed under ``torch.no_grad`` in float32
+(float64 for float64 inputs), with the tensors the modules actually consumed as the means;
+dropout masks and normalisation statistics are treated as constants.
 
 The privacy of ``p_v``: the forward pass depends on it, so it must be public or released with
-DP; ``dp_sequence_frequencies`` is that release (Gaussian histogram, spec 4.2 [C]).
+DP (the paper assumes it public); ``dp_sequence_frequencies`` is that release (Gaussian
+histogram).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ def _non_negative(value: float, name: str) -> float:
 
 @dataclass(frozen=True, eq=False)
 class ReAttentionConfig:
-    """Noise level and knobs of Re-Attention (spec 4.5); immutable, compared by identity.
+    """Noise level and knobs of Re-Attention; immutable, compared by identity.
 
     ``sigma_dp``: DP-SGD noise multiplier (>= 0; 0 makes every variance 0, i.e. no correction).
     ``batch_size``: the (expected) logical batch size B of DP-SGD, > 0.
@@ -84,7 +86,8 @@ class ReAttentionConfig:
 
     def token_variance(self, ids: torch.Tensor) -> torch.Tensor:
         """``ids: [...]`` -> ``[...]`` float64: variance of the raw table row of each id,
-        ``lam (sigma_dp / max(B p_id, beff_min))^2`` (spec 4.2, Claim 5.4)."""
+        ``lam (sigma_dp / max(B p_id, beff_min))^2`` (Claim 5.4, with B_eff clamped so that a
+        rare token's B p_v < 1 cannot push it beyond sigma_dp / beff_min)."""
         p = self.token_p.to(device=ids.device, dtype=torch.float64)[ids]
         b_eff = (self.batch_size * p).clamp_min(self.beff_min)
         return self.lam * (self.sigma_dp / b_eff) ** 2
@@ -238,9 +241,9 @@ def attention_output_variance(probs: torch.Tensor, v_value: torch.Tensor) -> tor
 def swiglu_variance(
     gate: torch.Tensor, v_gate: torch.Tensor, up: torch.Tensor, v_up: torch.Tensor
 ) -> torch.Tensor:
-    """``u = SiLU(gate) * up`` (spec 4.3 table): delta-method ``Var SiLU(g) = SiLU'(g)^2 v_g``,
-    then Lemma D.1 for the product of independent factors, averaged over coordinates:
-    ``Var = v_s up^2 + v_up SiLU(g)^2 + v_s v_up``.
+    """``u = SiLU(gate) * up`` (SwiGLU; not in the paper): delta-method
+    ``Var SiLU(g) = SiLU'(g)^2 v_g``, then Lemma D.1 for the product of independent factors,
+    averaged over coordinates: ``Var = v_s up^2 + v_up SiLU(g)^2 + v_s v_up``.
     ``gate, up: [..., D]`` pre-activation means, ``v_gate, v_up: [...]`` -> ``[...]``."""
     gate, up = _wide(gate), _wide(up)
     v_gate, v_up = _wide(v_gate).unsqueeze(-1), _wide(v_up).unsqueeze(-1)
@@ -254,7 +257,8 @@ def swiglu_variance(
 def logit_correction(
     q: torch.Tensor, v_key: torch.Tensor, max_corr: float = math.inf, scaling: float | None = None
 ) -> torch.Tensor:
-    """Spec 4.4: the logit ``c <q_t, K_j>`` (``c = scaling``, default ``1/sqrt(d_h)``) with
+    """Re-Attention's correction in logit space (restoring the 1/sqrt(d_h) the paper omits):
+    the logit ``c <q_t, K_j>`` (``c = scaling``, default ``1/sqrt(d_h)``) with
     ``K_j ~ N(k_j, v_j I)`` inflates ``E[exp]`` by ``exp(c^2 ||q_t||^2 v_j / 2)``; returns
     ``min(c^2 ||q_t||^2 v_j / 2, kappa)`` (``||q_t||^2 v_j / (2 d_h)`` by default) to subtract from
     the logits before the (renormalising) softmax.
@@ -305,7 +309,8 @@ def dp_sequence_frequencies(
     delta: float,
     pad_id: int = 0,
 ) -> TokenFrequencies:
-    """Gaussian-histogram release of ``p_v`` (spec 4.2 [C]).
+    """Gaussian-histogram release of ``p_v`` (the paper assumes p_v public; computing it from
+    private data without DP would make the trained model non-DP).
 
     ``sequences: [N, L]`` are the users' truncated training inputs (one row per user), so a user
     contributes at most ``L`` distinct ids and the count vector has L2 sensitivity ``sqrt(L)`` for
@@ -548,7 +553,7 @@ class ReAttentionPatch:
 def apply_reattention(model: nn.Module, cfg: ReAttentionConfig) -> ReAttentionPatch:
     """Add Re-Attention to a Hugging Face ``LlamaForCausalLM`` or ``GPT2LMHeadModel`` in place.
 
-    The variance of every activation is propagated with the rules of spec 4.3 by forward hooks
+    The variance of every activation is propagated with this module's rules by forward hooks
     (embedding: ``cfg.input_variance``, plus the positional table for GPT-2; norms; K/V
     projections per KV head; attention output ``sum_j S^2 v_V``; output projection; MLP: SwiGLU
     rule (Llama) or ``cfg.gelu_mode`` (GPT-2); residual sums), and every self-attention layer

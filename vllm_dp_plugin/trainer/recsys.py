@@ -1,11 +1,13 @@
-"""The paper's sequential recommender (dpformer spec 4.6, 5.3, 7.1 #5-8, #32) with Re-Attention.
+"""The DPFormer paper's sequential recommender with Re-Attention.
 
-A SASRec-style Transformer encoder: item table ``nn.Embedding(M, d, padding_idx=0)`` scaled by
-``sqrt(d)``, learned positions ``nn.Embedding(L, d)``, post-LN blocks (attention, residual,
-LayerNorm, ReLU FFN, residual, LayerNorm), causal + key-padding mask with self always allowed,
-and an output ``nn.Linear(d, M, bias=False)`` whose weight IS the item table (tied, one
-Parameter), pad logit masked. ``forward`` returns the per-sample loss ``[B]``: the mean NLL of
-a full softmax over all items at the sample's valid positions.
+Where the paper is silent (LayerNorm placement, FFN width, masking, loss reduction), the choices
+follow Vaswani et al. and SASRec. A SASRec-style Transformer encoder: item table
+``nn.Embedding(M, d, padding_idx=0)`` scaled by ``sqrt(d)``, learned positions
+``nn.Embedding(L, d)``, post-LN blocks (attention, residual, LayerNorm, ReLU FFN, residual,
+LayerNorm), causal + key-padding mask with self always allowed, and an output
+``nn.Linear(d, M, bias=False)`` whose weight IS the item table (tied, one Parameter), pad logit
+masked. ``forward`` returns the per-sample loss ``[B]``: the mean NLL of a full softmax over all
+items at the sample's valid positions.
 
 DP-engine contract: parameters live only in ``nn.Embedding``/``nn.Linear``/``nn.LayerNorm``
 modules, each module is called exactly once per forward, and the variance stream reads weights
@@ -43,8 +45,9 @@ def _layernorm_variance(
 
 class ReAttention(nn.Module):
     """Multi-head self-attention whose logits subtract ``min(||q_t||^2 v_K,j / (2 d_h), kappa)``
-    (spec 4.4) when given a variance stream; without one it is plain scaled dot-product
-    attention."""
+    (removing the inflation ``exp(||q_t||^2 v / (2 d_h))`` that key noise of variance v puts on
+    the expected attention weight) when given a variance stream; without one it is plain scaled
+    dot-product attention."""
 
     def __init__(self, d: int, heads: int, dropout: float):
         super().__init__()
@@ -100,7 +103,8 @@ class PostLNBlock(nn.Module):
         allowed: torch.Tensor,
         cfg: ReAttentionConfig | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Shapes as ``ReAttention.forward``; the variance follows spec 4.3's rules."""
+        """Shapes as ``ReAttention.forward``; the variance is propagated layer by layer (linear,
+        ReLU and LayerNorm rules; residual branches add)."""
         a, v_a = self.attn(x, v_x, allowed, cfg)
         h1 = x + self.drop(a)
         x1 = self.ln1(h1)
@@ -122,8 +126,9 @@ class DPFormerRec(nn.Module):
 
     ``reattention``: a ``ReAttentionConfig`` (its ``emb_scale`` is replaced by this model's
     ``sqrt(d)`` or 1) or None; None or ``enabled=False`` is the vanilla Transformer baseline, which
-    runs exactly the plain computation (no variance stream). Defaults are the paper's (spec 5.3):
-    d = 64, 1 head, 2 blocks, FFN 4d, initialisation E ~ N(0, 1/d), P ~ N(0, 0.02^2)."""
+    runs exactly the plain computation (no variance stream). Defaults: the paper's d = 64, 1 head,
+    2 blocks; FFN 4d and initialisation E ~ N(0, 1/d), P ~ N(0, 0.02^2), which it does not
+    state."""
 
     def __init__(
         self,
@@ -210,14 +215,15 @@ class DPFormerRec(nn.Module):
 
     def last_scores(self, ids: torch.Tensor) -> torch.Tensor:
         """Next-item scores after the last position: ``ids: [B, T]`` -> ``[B, M]`` (pad = -inf);
-        the same forward function as training (Re-Attention applies at evaluation, spec 4.5)."""
+        the same forward function as training (Re-Attention applies at evaluation too: the
+        parameters are just as noisy there)."""
         h = self.hidden(ids)
         return self._logits(h[:, -1])
 
 
 def _allowed_keys(valid: torch.Tensor) -> torch.Tensor:
     """``valid: [B, T]`` -> ``[B, 1, T, T]``: causal, non-pad keys, and the query itself always
-    (so left-pad query rows are never all -inf: no NaN, spec 7.1 #32)."""
+    (so left-pad query rows are never all -inf: no NaN)."""
     t = valid.shape[1]
     causal = torch.ones(t, t, dtype=torch.bool, device=valid.device).tril()
     eye = torch.eye(t, dtype=torch.bool, device=valid.device)

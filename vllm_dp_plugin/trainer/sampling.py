@@ -1,5 +1,5 @@
-"""Poisson subsampling of training samples (dpformer spec 5.2), the sampling the RDP/PLD analysis
-of ``accounting.py`` assumes: every sample is in a step's batch independently with probability
+"""Poisson subsampling of training samples, the sampling the RDP/PLD analysis of
+``accounting.py`` assumes: every sample is in a step's batch independently with probability
 ``sample_rate``, so batch sizes vary (Binomial(N, q)) and may be 0.
 
 Under torch.distributed every rank builds the sampler with the same seed, draws the same global

@@ -64,7 +64,7 @@ class TrainConfig:
     data: str = PUBLIC_CORPUS
     seq_len: int = 64
     epsilon: float = 8.0
-    delta: float | None = None  # default 1 / (2 N), N = number of records (spec 5.2)
+    delta: float | None = None  # default 1 / (2 N), N = number of records (fastDP's default)
     epochs: float = 1.0
     batch_size: int = 64  # expected logical batch B = q N
     max_physical_batch: int = 32  # records per forward (memory), accumulated into one step
@@ -77,7 +77,7 @@ class TrainConfig:
     accountant: Literal["rdp", "pld"] = "rdp"
     seed: int | None = None  # None: sampling and noise from OS entropy (deployment)
     reattention: bool = False  # DPFormer Re-Attention while training (dropped when served)
-    reattention_lambda: float = 1.0  # spec 4.5 lambda: scales every parameter variance
+    reattention_lambda: float = 1.0  # lambda: scales every parameter variance (1 = literal)
     frequency_noise: float = 20.0  # noise multiplier of the DP histogram of p_v (Re-Attention only)
     checkpoint_every: int = 50  # steps
     secure_mode: bool = False  # grid + discrete Gaussian release of each step (module docstring)
@@ -282,7 +282,8 @@ def _release_frequencies(config: TrainConfig, plan: Plan, data: Records, model) 
 
 
 def _optimizer(config: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
-    """DP-Adam (L2-style weight decay, spec 5.3) or DP-SGD over the trainable parameters."""
+    """DP-Adam (L2-style weight decay, as DPFormer's Adam) or DP-SGD over the trainable
+    parameters."""
     params = [p for p in model.parameters() if p.requires_grad]
     if config.optimizer == "adam":
         return torch.optim.Adam(params, lr=config.learning_rate, weight_decay=config.weight_decay)

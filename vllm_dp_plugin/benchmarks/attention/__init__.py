@@ -1,6 +1,6 @@
 """``vllm-dp bench attention``: DP cross-attention (state, tree) against exact attention.
 
-One run measures, side by side (DP cross-attention spec 9 D5/D6, 10.2, 10.3, 10.5):
+One run measures, side by side:
 
 1. accuracy on in-regime synthetic data (the paper's setting: beta = 1/d, K, Q ~ U[0,1]^d,
    V rows ``clip(mu + 0.5 U[-1,1]^dv, -1, 1)`` with one ``mu ~ U[-1,1]^dv`` per head, so outputs
@@ -14,11 +14,13 @@ Writes ``attention-<device>-<date>.md`` (+ ``.json``, ``-accuracy.csv``, ``-sour
 ``benchmarks.lib.measure.PeakMemory``: the CUDA allocator's peak, or on CPU the kernel's
 resident-set high-water mark, both above the level at the start of the build.
 
-Error sources (spec 10.5), all float64:
+Error sources (each consecutive pair isolates one distortion: clipping, kernel, own-leaf bias,
+DP noise), all float64:
 * E0 exact attention on the raw inputs;  E1 exact attention on the mapped (centred/clipped) inputs;
 * E2 noise-free kernel attention ``P(Q) P(K)^T [V | 1]`` divided (``P`` = the release's public
   feature map ``att.features``);  E3 the tree mode with zero node noise (own-leaf bias);
-* E4 the DP output (denominator and output clamps of spec A19/A20 applied, as served).
+* E4 the DP output (denominator clamped into [n e^{t_min}, n e^T] and outputs into
+  [-R_w, R_w], as served).
 
 The suite is a package: ``settings`` (what a run measures, its options), ``experiments`` (the
 measurements), ``real_heads`` (part 2), ``report`` (targets, notes, markdown/JSON/CSV/PNG) and

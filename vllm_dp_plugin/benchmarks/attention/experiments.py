@@ -136,7 +136,8 @@ def row_cos(est: torch.Tensor, ref: torch.Tensor) -> np.ndarray:
 
 
 def entry_normalised(est: torch.Tensor, ref: torch.Tensor, absref: torch.Tensor) -> np.ndarray:
-    """|est - ref|_ik / (D^{-1} A |V|)_ik (spec A17), per entry."""
+    """|est - ref|_ik / (D^{-1} A |V|)_ik, per entry (with signed V the kernel's relative error
+    is relative to D^{-1} A |V|, not to |O|)."""
     return ((est - ref).abs() / absref.clamp_min(1e-300)).flatten().cpu().numpy()
 
 
@@ -166,8 +167,9 @@ def make_params(mode: str, eps: float, settings: Settings, **kw) -> DPAttentionP
 
 
 def clamp_answer(att: DPCrossAttention, num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
-    """The served output: core's post-processing clamps (spec A19/A20), applied to an answer
-    obtained with ``clamp=False`` so that the pre-clamp denominator could be inspected."""
+    """The served output: core's post-processing clamps (den into [n e^{t_min}, n e^T], outputs
+    into [-R_w, R_w]), applied to an answer obtained with ``clamp=False`` so that the pre-clamp
+    denominator could be inspected."""
     den, num = att._clamped(den, num)
     return num / den[..., None]
 

@@ -1,7 +1,8 @@
-"""Per-sample squared gradient norms by module type (dpformer spec 3.2, 3.3, 3.6), never
-materialising a per-sample gradient of a large weight: one small module per supported layer
-type (the Opacus ``grad_sample/`` pattern), each registering a ``NormRule`` with
-``register_norm_rule``; the engine looks rules up with ``find_rule``/``rule_for``.
+"""Per-sample squared gradient norms by module type (ghost clipping, and DPFormer's Phantom
+Clipping for tied embeddings), never materialising a per-sample gradient of a large weight: one
+small module per supported layer type (the Opacus ``grad_sample/`` pattern), each registering
+a ``NormRule`` with ``register_norm_rule``; the engine looks rules up with
+``find_rule``/``rule_for``.
 
 Every norm function takes, for one parameter use in the forward graph, the layer input ``a`` and
 the gradient ``g`` of ``sum_i L_i`` w.r.t. the layer output (per sample, since nothing mixes

@@ -1,5 +1,5 @@
-"""``nn.Embedding`` (dpformer spec 3.2): the lookup norm (same-id mask, no one-hot), and
-Phantom Clipping for a table tied to an output ``nn.Linear`` (the engine pairs the two uses)."""
+"""``nn.Embedding``: the lookup norm (same-id mask, no one-hot), and Phantom Clipping for a table
+tied to an output ``nn.Linear`` (the engine pairs the two uses)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,9 @@ def tied_embedding_sq_norms(
     pad_id: int | None = None,
 ) -> torch.Tensor:
     """Phantom Clipping: a table ``E [M, d]`` used by the input lookup ``e = E[ids]`` and the tied
-    output ``z = h E^T`` (spec 3.2, corrected Eq. 4.1):
+    output ``z = h E^T`` (DPFormer's Eq. 4.1 corrected: it prints the first term squared and the
+    cross term with the dimensionally impossible ``a_s^T grad_e_c``, which is a gather of rows at
+    the input ids):
     ``||g_E||^2 = T_in + T_out + 2 T_cross`` with ``T_in`` the lookup norm, ``T_out = <h h^T,
     g_z g_z^T>`` and ``T_cross = sum_{t,t'} g_z[t', ids_t] <g_e[t], h_t'>`` (a token-id gather).
 

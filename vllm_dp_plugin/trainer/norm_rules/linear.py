@@ -1,5 +1,5 @@
-"""``nn.Linear`` (dpformer spec 3.3): ghost norms of the weight, and the bias shared by every
-affine layer (``BIAS``)."""
+"""``nn.Linear``: ghost norms of the weight, and the bias shared by every affine layer
+(``BIAS``)."""
 
 from __future__ import annotations
 

@@ -19,21 +19,21 @@ import dataclasses
 import functools
 import json
 import math
-from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..config import AttentionPrivacyConfig, ConfigError
-from ..privacy.accountant import Budget
-from ..privacy.mechanisms import Mechanism
-from .accounting import composed_spend, head_budget
-from .calibration_file import Calibration, CalibrationError
-from .features import taylor_degree, taylor_kernel_error
-from .mapping import HeadMapping
-from .params import DPAttentionParams
-from .private_context import HeadLayout, PrivateContextLayer
+from .attention.accounting import composed_spend, head_budget
+from .attention.calibration_file import Calibration, CalibrationError
+from .attention.features import taylor_degree, taylor_kernel_error
+from .attention.mapping import HeadMapping
+from .attention.params import DPAttentionParams
+from .attention.private_context import HeadLayout, PrivateContextLayer
+from .config import AttentionPrivacyConfig, ConfigError
+from .lru import LRU
+from .privacy.accountant import Budget
+from .privacy.mechanisms import Mechanism
 
 MAX_DEGREE = 64
 MAX_PLANS = 64  # ContextPlan.of's cache (serving: one per context, kind and softmax scale)
@@ -221,13 +221,12 @@ class ContextPlan:
         process and distinct arguments: its per-layer releases are planned once."""
         scale = shape.scale if scale is None else scale
         key = (json.dumps(dataclasses.asdict(cfg)), shape, kind, context_len, scale)
-        if key not in _PLANS:
-            _PLANS[key] = ContextPlan(cfg, kind, shape.layers(kind), shape.total_kv_heads,
-                                      shape.total_query_heads, shape.head_dim, scale, context_len)
-        _PLANS.move_to_end(key)
-        while len(_PLANS) > MAX_PLANS:
-            _PLANS.popitem(last=False)
-        return _PLANS[key]
+        plan = _PLANS.get(key)
+        if plan is None:
+            plan = ContextPlan(cfg, kind, shape.layers(kind), shape.total_kv_heads,
+                               shape.total_query_heads, shape.head_dim, scale, context_len)
+            _PLANS.put(key, plan)
+        return plan
 
     @property
     def budget_heads(self) -> int:
@@ -324,7 +323,7 @@ class ContextPlan:
         }
 
 
-_PLANS: OrderedDict[tuple, ContextPlan] = OrderedDict()
+_PLANS: LRU[tuple, ContextPlan] = LRU(MAX_PLANS)
 
 
 def check_model(cfg: AttentionPrivacyConfig, shape: ModelShape) -> None:

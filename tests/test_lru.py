@@ -4,7 +4,7 @@ import threading
 
 import pytest
 
-from vllm_dp_plugin.prompt.lru import LRU
+from vllm_dp_plugin.lru import LRU
 
 
 def test_put_evicts_the_least_recently_used():

@@ -7,8 +7,8 @@ import torch
 
 from vllm_dp_plugin.attention.calibration_file import Calibration
 from vllm_dp_plugin.attention.mapping import HeadMapping
-from vllm_dp_plugin.attention.plan import ContextPlan
 from vllm_dp_plugin.config import ConfigError, DPPrivacyConfig
+from vllm_dp_plugin.plan import ContextPlan
 
 BOUNDS = {"key_bound": 0.5, "query_bound": 0.5, "value_bound": 1.0, "key_norm": 1.5, "query_norm": 1.5}
 
