@@ -171,3 +171,8 @@ def test_whisper_account_states_each_requests_encoder_output_as_the_endpoint_doe
     assert json.loads(out) == settings.budget_payload(config)
     (report,) = json.loads(out)["contexts"]
     assert report["kind"] == "cross_attention" and report["context_tokens"] == 1500
+    other = {**section, "attention": {**section["attention"], "epsilon": 4.0}}
+    config_4 = engine_args(model=str(model), dtype="float32", max_model_len=448, enforce_eager=True,
+                           limit_mm_per_prompt={"audio": 1},
+                           additional_config={"dp_privacy": other}).create_engine_config()
+    assert settings.encoder_release_inputs(config) != settings.encoder_release_inputs(config_4)  # keys the noise

@@ -77,6 +77,7 @@ def cross_layer():
 
     impl = Impl()
     impl._dp_on, impl._cross, impl._heads, impl._key = True, {}, None, None
+    impl._encoder_inputs = b'{"attention": {"epsilon": 8.0}}'  # encoder_release_inputs of a deployment
     impl._cross_plan = lambda n: SimpleNamespace(layer=lambda index, heads: RecordedRelease())
     return Builder(), impl
 
@@ -107,6 +108,23 @@ def cross_step(cross_layer, batch, encoder_tags, vllm_masks: bool) -> list[float
         impl.do_kv_cache_update(LAYER, key, key, kv_cache, torch.arange(key.shape[0]))
     impl.forward(LAYER, query, key, key, kv_cache, md, output)
     return output[:, 0, 0].tolist()
+
+
+def test_an_encoder_release_is_keyed_by_the_deployment_and_the_audio(cross_layer):
+    """The same audio under other release parameters draws other noise (two releases of it at
+    different scales under one noise stream would cancel it); the same deployment draws the same."""
+    _, impl = cross_layer
+    idents = []
+
+    class Recording(RecordedRelease):
+        def release(self, key, context):
+            idents.append(context)
+
+    impl._cross_plan = lambda n: SimpleNamespace(layer=lambda index, heads: Recording())
+    for inputs, tag in ((b"eps 1", 1.0), (b"eps 8", 1.0), (b"eps 8", 1.0), (b"eps 8", 2.0)):
+        impl._encoder_inputs, impl._cross = inputs, {}
+        cross_step(cross_layer, [(0, 0, 1)], [tag], vllm_masks=True)
+    assert idents[0] != idents[1] and idents[1] == idents[2] and idents[2] != idents[3]
 
 
 @pytest.mark.parametrize("vllm_masks", [True, False], ids=["masked", "unmasked"])

@@ -59,7 +59,7 @@ class TreeParams:
         check_delta(self.delta_prime, "delta_prime")
         check_count(self.copies, "copies")
         if self.copies % 2 == 0:
-            raise ValueError(f"copies must be odd (median, A15), got {self.copies}")
+            raise ValueError(f"copies must be odd (the answer is the median of the copies), got {self.copies}")
         if self.c != "tight" and not (0 < float(self.c) < 1):
             raise ValueError(f"c must lie in (0, 1) or be 'tight', got {self.c!r}")
         _check_choice("output_level", self.output_level, ("row", "entry"))

@@ -464,7 +464,7 @@ class DPTreeSoftmaxAdaptive:
         generator: torch.Generator | None = None,
     ) -> None:
         if not isinstance(copies, int) or copies < 1 or copies % 2 == 0:
-            raise ValueError(f"copies must be an odd integer >= 1 (median, A15), got {copies!r}")
+            raise ValueError(f"copies must be an odd integer >= 1 (the answer is the median of the copies), got {copies!r}")
         if noise is not None and (len(noise[0]) != copies or len(noise[1]) != copies):
             raise ValueError(f"injected noise must have {copies} copies on its leading axis")
         gen = _generator(generator)

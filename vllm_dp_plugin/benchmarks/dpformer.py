@@ -457,12 +457,12 @@ def render_markdown(results: dict) -> str:
         (
             "Rows `dpformer-lam<x>` use a lambda other than the paper-literal 1: a knob tuned by "
             "looking at results on the private data, whose privacy cost is NOT included in eps "
-            "(spec 4.7; the paper also leaves tuning uncharged)."
+            "(the paper also leaves tuning uncharged)."
         ),
         "",
         (
             "Layer-1 Re-Attention correction of the trained models on the test inputs (median over "
-            "causal pairs of real items, in logits subtracted before the softmax; spec 4.7):"
+            "causal pairs of real items, in logits subtracted before the softmax):"
         ),
         "",
         *correction_table(results),

@@ -605,7 +605,7 @@ def notes(results: dict) -> list[str]:
             for c in proven_bad))
     else:
         lines.append(
-            "Every mechanism with a proven guarantee keeps N_w below the text-weighted (S17) bound of its own "
+            "Every mechanism with a proven guarantee keeps N_w below the text-weighted DP keep bound of its own "
             f"(eps, delta) plus the Hoeffding tolerance {fmt(tol)} (failure probability {HOEFFDING_ALPHA:g}) "
             "at every eps, as it must."
         )
@@ -686,7 +686,7 @@ def markdown(results: dict, settings: Settings) -> str:
         "## How the mechanisms share one eps axis",
         "",
         ("The x axis is the per-token epsilon each mechanism guarantees (any token vs any token of the "
-         "vocabulary, Def 2 of the spec):"),
+         "vocabulary, the paper's Def 2):"),
         "",
         "- `trlap_corrected`, `gaussian_analytic`: (eps, delta)-DP; `laplace`, `expmech`: pure eps-DP.",
         ("- `mahalanobis`, `cmp` (metric DP, eps_m per unit distance): run at eps_m = eps / Delta_2, so that "
@@ -705,7 +705,7 @@ def markdown(results: dict, settings: Settings) -> str:
             results, lambda r: _ci(r["preservation"], r["preservation_ci"]) if "preservation" in r else "n/a")),
         "",
         md_table(["reference (any DP mechanism)"] + [f"eps={e:g}" for e in grid], [
-            ["(S17) vocabulary-average keep bound (e^eps + V delta)/V"]
+            ["DP vocabulary-average keep bound (e^eps + V delta)/V"]
             + [b["vocab_bound"] for b in results["bounds"]],
             ["same budget e^eps + V delta spent on this text's most frequent pieces (bound on E[N_w])"]
             + [b["text_bound"] for b in results["bounds"]],
@@ -729,9 +729,9 @@ def markdown(results: dict, settings: Settings) -> str:
     repro = [r for r in results["rows"] if r["mechanism"] in REPRODUCTION]
     if repro:
         out += [
-            "## Claimed vs true delta of the paper's calibration (spec 2.7)",
+            "## Claimed vs true delta of the paper's calibration (its Thm 3 is false for d > 1)",
             "",
-            ("True delta = the exact (S7) maximum of the pairwise delta over an evenly spaced subset of the "
+            ("True delta = the exact maximum of the pairwise delta over an evenly spaced subset of the "
              "input domain (the library's `reproduction_delta`; all V^2 pairs are too many), hence a LOWER "
              "bound on the mechanism's delta. Claimed delta = 4^-d_eff."),
             "",
@@ -788,7 +788,7 @@ def what_it_means(results: dict) -> list[str]:
          f"utility can start, a {pieces:.0f}-piece sentence spends ~{pieces * ln_v:.0f}. Read it as per-token "
          "plausible deniability, not as a small sentence-level epsilon."),
         "",
-        (f"(S17) caps every DP mechanism, whatever its design: the vocabulary-average keep rate reaches 0.5 only "
+        (f"The DP keep bound caps every DP mechanism, whatever its design: the vocabulary-average keep rate reaches 0.5 only "
          f"at eps = ln(V/2) = {vocab_half:.1f}; on this text the cap on E[N_w] reaches 0.5 at eps = "
          f"{_eps(text_half) if text_half is None else f'{text_half:.1f}'} (frequent pieces such as 'the' are "
          f"cheap to keep). Smallest grid eps at which each mechanism with a real guarantee keeps half the "
@@ -840,9 +840,9 @@ def plot(results: dict, path: Path) -> None:
     dense = [float(e) for e in np.geomspace(grid[0], grid[-1], 300)]
     curves = bound_curves(results, dense)
     refs = axes[0].plot(dense, [b["vocab_bound"] for b in curves], color="black", lw=1.6,
-                        label="(S17) bound: vocabulary-average keep rate")
+                        label="DP bound: vocabulary-average keep rate")
     refs += axes[0].plot(dense, [b["text_bound"] for b in curves], color="grey", lw=1.6, ls="-.",
-                         label="(S17) bound on E[N_w] of this text")
+                         label="DP bound on E[N_w] of this text")
     ref = results["reference"]
     unrelated = axes[1].axhline(ref["unrelated_cosine"], color="grey", ls="-.", lw=1.2,
                                 label="unrelated sentence pairs")
@@ -879,7 +879,7 @@ def plot(results: dict, path: Path) -> None:
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_ylim(top=max(ax.get_ylim()[1] * 100, 1e3))
-    ax.set_title("(iii) claimed vs true per-token delta (spec 2.7)")
+    ax.set_title("(iii) claimed vs true per-token delta (the paper's Thm 3 fails for d > 1)")
     ax.set_xlabel("per-token eps (claimed)")
     ax.set_ylabel("-log10(delta)   (higher = smaller delta)")
     ax.grid(True, which="both", alpha=0.3)
@@ -919,7 +919,7 @@ def build_parser(prog: str = "vllm-dp bench prompt") -> argparse.ArgumentParser:
         prog=prog,
         description="Prompt privatization utility vs per-token eps for every token mechanism on the "
         "all-MiniLM-L6-v2 vocabulary and pydoc English text: token preservation, sentence-embedding "
-        "cosine, (S17) bounds, claimed vs true delta of the paper's calibration. Writes md/json/png.",
+        "cosine, DP keep bounds, claimed vs true delta of the paper's calibration. Writes md/json/png.",
     ))
 
 

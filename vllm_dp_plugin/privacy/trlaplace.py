@@ -96,7 +96,7 @@ def _corrected(
     bound = (d1 / epsilon) * math.log1p((d1 / dinf) * math.expm1(epsilon * dinf / d1) / (2 * delta))
     if bound < dinf:
         raise ValueError(
-            f"corrected TrLaplace bound A={bound:.4g} < Dinf={dinf:.4g}: the (S10) proof does not "
+            f"corrected TrLaplace bound A={bound:.4g} < Dinf={dinf:.4g}: the corrected proof does not "
             "apply; lower delta"
         )
     return eps_delta_laplace("trlaplace(corrected)", epsilon, delta, d1, bound)
@@ -123,7 +123,7 @@ def _theorem_3(
     claimed_delta = math.exp(d_eff * log_delta_root)
     warn_not_private(
         f"TrLaplace '{label}' calibration (eps={epsilon}, claimed delta=exp({d_eff * log_delta_root:.4g})) "
-        "is NOT (eps, delta)-DP for d > 1 (trlaplace spec 2.7): its true delta is up to ~1. "
+        "is NOT (eps, delta)-DP for d > 1 (the paper's Thm 3 is false there): its true delta is up to ~1. "
         "Use calibration='corrected' for a real guarantee."
     )
     return Mechanism(

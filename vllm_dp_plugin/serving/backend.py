@@ -49,6 +49,7 @@ from .settings import (
     check_serving,
     context_plan,
     dp_config,
+    encoder_release_inputs,
     private_contexts,
     raw_config_json,
     register_release,
@@ -132,6 +133,8 @@ class DPImplMixin:
         )
         self._cross: dict[int, PrivateContextLayer] = {}  # enc-dec: first block -> release, last step's requests
         self._cross_plans: dict = {}  # enc-dec: encoder length -> ContextPlan
+        if self.attn_type == AttentionType.ENCODER_DECODER:
+            self._encoder_inputs = encoder_release_inputs(vllm_config)  # keys the noise with the audio
         _validate_once(vllm_config)
         if self.attn_type == AttentionType.DECODER:
             self._contexts = private_contexts(vllm_config)
@@ -305,7 +308,8 @@ class DPImplMixin:
             k, v = key[ends[r] - n : ends[r]], value[ends[r] - n : ends[r]]
             dp = self._cross_plan(n).layer(index, self._heads)
             dp.collect(torch.arange(n), k, v)
-            ident = context_id(k.detach().cpu().float().numpy().tobytes() + v.detach().cpu().float().numpy().tobytes())
+            exact = k.detach().cpu().float().numpy().tobytes() + v.detach().cpu().float().numpy().tobytes()
+            ident = context_id(self._encoder_inputs + exact)
             dp.release(self._key, ident)
             self._cross[int(lay.block_table[r, 0])] = dp
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -191,6 +192,15 @@ def release_inputs(cfg: DPPrivacyConfig, served: ServedModel) -> dict:
         "device": served.device,
         "attention": attention,
     }
+
+
+def encoder_release_inputs(vllm_config) -> bytes:
+    """``release_inputs`` as canonical JSON, for encoder-output releases (Whisper): their noise is
+    keyed by these and the encoder output, so two deployments with other parameters (eps, mode,
+    calibration, weights) never draw the same noise at different scales for the same audio (two
+    such releases would cancel their noise)."""
+    served = ServedModel.of(vllm_config)
+    return json.dumps(release_inputs(dp_config(vllm_config), served), sort_keys=True).encode()
 
 
 def serves_private_contexts(vllm_config) -> bool:

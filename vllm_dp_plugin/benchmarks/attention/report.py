@@ -114,8 +114,8 @@ def _accuracy_md(acc: dict, settings: Settings) -> list[str]:
         "V rows = clip(mu + 0.5 U[-1,1]^d, -1, 1) with one mu ~ U[-1,1]^d per head: outputs have a "
         "non-trivial norm (||O_i|| ~ ||mu||), so relative errors are not inflated by near-zero outputs. "
         "One KV head, (eps, delta) per head, noise drawn once per seed (data fixed per (n, d)). "
-        "State: Taylor degree from the rule (kernel_error 0.1), Gaussian state release (spec D5). "
-        f"Tree: Taylor degree {settings.tree_degree}, l = 1 copy, tight c (spec 10.3 Mode B). "
+        "State: Taylor degree from the rule (kernel_error 0.1), Gaussian state release (sensitivity from the public bounds). "
+        f"Tree: Taylor degree {settings.tree_degree}, l = 1 copy, tight c (the vectorised DPTree). "
         "Outputs are served with core's clamps (den into [n e^{t_min}, n e^T], outputs into [-R_w, R_w]); "
         "`den<=0` is the fraction of queries whose DP denominator was <= 0 *before* the clamp."),
         "",
@@ -272,7 +272,7 @@ def default_notes(results: dict, settings: Settings) -> list[str]:
             notes.append(
                 f"Tree mode (faithful DPTree, l=1) is noise-dominated at every size run: median served noise "
                 f"error {fmt(med)} across configs, up to {100 * worst:.0f}% of denominators <= 0 before the clamp; its "
-                "outputs are essentially the clamp (spec D6 predicts node noise 1e4-1e6x the signal)."
+                "outputs are essentially the clamp (the DPTree's node noise is predicted at 1e4-1e6x the signal)."
             )
             under = [f"{eps:g}->{fmt(s)}" for eps, s in sorted(spent.items()) if s < 0.99 * eps]
             if under:
