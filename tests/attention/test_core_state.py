@@ -11,15 +11,13 @@ from vllm_dp_plugin.attention.core import DPCrossAttention
 from vllm_dp_plugin.attention.mapping import HeadMapping
 from vllm_dp_plugin.attention.params import DPAttentionParams
 
+from .contexts import random_context
+
 D, DV = 4, 3
 
 
 def _context(heads=2, n=40, m=5, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    k = torch.rand(heads, n, D, generator=g, dtype=torch.float64)
-    v = torch.rand(heads, n, DV, generator=g, dtype=torch.float64) * 2 - 1
-    q = torch.rand(heads, m, D, generator=g, dtype=torch.float64)
-    return k, v, q
+    return random_context(heads, n, m, D, DV, seed)
 
 
 def _attention(heads=2, **kw):

@@ -7,15 +7,13 @@ from vllm_dp_plugin.attention.core import DPCrossAttention
 from vllm_dp_plugin.attention.mapping import HeadMapping
 from vllm_dp_plugin.attention.params import DPAttentionParams
 
+from .contexts import random_context
+
 D, DV = 3, 2
 
 
 def _context(heads=2, n=21, m=4, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    k = torch.rand(heads, n, D, generator=g, dtype=torch.float64)
-    v = torch.rand(heads, n, DV, generator=g, dtype=torch.float64) * 2 - 1
-    q = torch.rand(2 * heads, m, D, generator=g, dtype=torch.float64)
-    return k, v, q
+    return random_context(heads, n, m, D, DV, seed, query_heads=2 * heads)
 
 
 @pytest.mark.parametrize("mode", ["tree", "reference"])

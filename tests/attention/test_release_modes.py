@@ -16,15 +16,13 @@ from vllm_dp_plugin.attention.modes import (
 from vllm_dp_plugin.attention.params import MODES, DPAttentionParams
 from vllm_dp_plugin.attention.state import KernelStateBuilder, NoisyKernelState, StateMode
 
+from .contexts import random_context
+
 D, DV = 3, 2
 
 
 def _context(heads=2, n=9, m=4, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    k = torch.rand(heads, n, D, generator=g, dtype=torch.float64)
-    v = torch.rand(heads, n, DV, generator=g, dtype=torch.float64) * 2 - 1
-    q = torch.rand(heads, m, D, generator=g, dtype=torch.float64)
-    return k, v, q
+    return random_context(heads, n, m, D, DV, seed)
 
 
 def _attention(mode, **kw):

@@ -45,6 +45,7 @@ one JSON object per line::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -711,50 +712,48 @@ def jobs_of(rows: Sequence[str], eps: Sequence[float]) -> list[tuple[str, float 
     return out
 
 
+def _serve(up: contextlib.ExitStack, running: RunningServer | None, spec: Server, log: Path) -> RunningServer:
+    """``running`` if it runs ``spec`` (rows with the same server share it), else a new server for
+    ``spec`` on ``up`` after stopping the old one."""
+    if running is not None and running.server == spec:
+        return running
+    up.close()
+    return up.enter_context(RunningServer(spec, log))
+
+
 def run(bench: Bench, rows: Sequence[str], eps: Sequence[float], log=None,
         after_row=None) -> tuple[list[dict], list[dict], list[dict]]:
     """Measure every (row, eps); returns (result rows, budget statements, sample answers of the
-    first two scenarios), also handed to ``after_row`` after each row. A server stays up while the
-    next job's server is the same (``none`` and ``full`` share one)."""
+    first two scenarios), also handed to ``after_row`` after each row."""
     from tqdm import tqdm
 
     log = log or tqdm.write
+    jobs = jobs_of(rows, eps)
     n_questions = sum(len(s["questions"]) for s in bench.scenarios)
     first = {s["id"] for s in bench.scenarios[:2]}
     results, budgets, samples = [], [], []
-    running: tuple[Server, RunningServer] | None = None
-    try:
-        with tqdm(total=len(jobs := jobs_of(rows, eps)), desc="rows", unit="row", position=0) as bar:
-            for name, e in jobs:
-                row, label = ROWS[name], name if e is None else f"{name} eps={e:g}"
-                answers, seconds = [], 0.0
-                with tqdm(total=n_questions, desc=label, unit="q", position=1, leave=False) as qbar:
-                    for part in server_parts(row, bench.scenarios):
-                        spec = row.server(bench, e, part)
-                        if running is None or running[0] != spec:
-                            if running is not None:
-                                running[1].__exit__(None, None, None)
-                                running = None
-                            tag = label.replace(" eps=", "@") + f"-{part[0]['id']}"
-                            running = (spec, RunningServer(spec, bench.work / f"server-{tag}.log").__enter__())
-                        if spec.dp and not answers:  # the statement of the row's first context
-                            statement = running[1].get("/v1/dp/budget")["contexts"][0]
-                            budgets.append({"row": name, "eps": e, **statement})
-                        got, wall = ask_all(bench, running[1], row, part, label, qbar)
-                        answers += got
-                        seconds += wall
-                result = summarize(name, e, answers, seconds)
-                results.append(result)
-                samples += [{"row": name, "eps": e, "scenario": a.scenario, "kind": a.kind,
-                             "support": a.support, "correct": a.correct, "text": a.text}
-                            for a in answers if a.scenario in first]
-                log(f"vllm-dp bench context: {describe(result)}")
-                if after_row is not None:  # the report so far: a stopped run keeps its rows
-                    after_row(results, budgets, samples)
-                bar.update(1)
-    finally:
-        if running is not None:
-            running[1].__exit__(None, None, None)
+    server: RunningServer | None = None
+    with contextlib.ExitStack() as up, tqdm(total=len(jobs), desc="rows", unit="row", position=0) as bar:
+        for name, e in jobs:
+            row, label = ROWS[name], name if e is None else f"{name} eps={e:g}"
+            answers, seconds = [], 0.0
+            with tqdm(total=n_questions, desc=label, unit="q", position=1, leave=False) as qbar:
+                for part in server_parts(row, bench.scenarios):
+                    tag = label.replace(" eps=", "@") + f"-{part[0]['id']}"
+                    server = _serve(up, server, row.server(bench, e, part), bench.work / f"server-{tag}.log")
+                    if server.server.dp and not answers:  # the statement of the row's first context
+                        budgets.append({"row": name, "eps": e, **server.get("/v1/dp/budget")["contexts"][0]})
+                    got, wall = ask_all(bench, server, row, part, label, qbar)
+                    answers, seconds = answers + got, seconds + wall
+            result = summarize(name, e, answers, seconds)
+            results.append(result)
+            samples += [{"row": name, "eps": e, "scenario": a.scenario, "kind": a.kind,
+                         "support": a.support, "correct": a.correct, "text": a.text}
+                        for a in answers if a.scenario in first]
+            log(f"vllm-dp bench context: {describe(result)}")
+            if after_row is not None:  # the report so far: a stopped run keeps its rows
+                after_row(results, budgets, samples)
+            bar.update(1)
     return results, budgets, samples
 
 

@@ -142,10 +142,6 @@ def check_engine_options(vllm_config) -> None:
         )
 
 
-def noise_key(vllm_config) -> NoiseKey:
-    return NoiseKey(dp_config(vllm_config).key_file)
-
-
 def release_ledger(vllm_config) -> ReleaseLedger:
     cfg = dp_config(vllm_config)
     return ReleaseLedger(NoiseKey(cfg.key_file), cfg.ledger_file)
