@@ -15,6 +15,7 @@ ALLOWED = {
     "lru": set(),
     "kernels": set(),
     "privacy": set(),
+    "aggregate": {"privacy"},
     "attention": {"privacy", "kernels"},
     "prompt": {"privacy", "kernels", "lru"},
     "trainer": {"privacy", "demo"},

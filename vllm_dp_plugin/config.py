@@ -17,6 +17,7 @@ from typing import Any
 
 from .attention.params import FEATURES, STATE_MECHANISMS
 from .privacy.accountant import COMPOSITIONS
+from .privacy.aggregation import AGGREGATION_MECHANISMS, GATES
 from .privacy.validation import check_count, check_delta, check_epsilon, check_positive
 from .prompt.mechanisms import MECHANISMS
 
@@ -182,12 +183,114 @@ def _check_contexts(contexts: Any) -> None:
             raise ConfigError(f"attention.contexts.{name} must be a file path, got {path!r}")
 
 
-def _check_context_name(name: Any) -> None:
+def _check_context_name(name: Any, where: str = "attention.contexts") -> None:
     if not isinstance(name, str) or not CONTEXT_NAME.fullmatch(name):
         raise ConfigError(
-            f"attention.contexts: context name {name!r} must match {CONTEXT_NAME.pattern} "
+            f"{where}: context name {name!r} must match {CONTEXT_NAME.pattern} "
             "(names are public: /v1/dp/budget lists them)"
         )
+
+
+@dataclass(frozen=True)
+class AggregatePrivacyConfig:
+    """DP aggregation at the output over private document collections (``privacy.aggregation``).
+
+    Unit: one document (add/remove), per query; budgets are spent per query and recorded per
+    context in a persistent ledger (``budget_file``, default ``queries.jsonl`` beside the noise
+    key). ``contexts``: the collections, a mapping name -> source (a JSONL file, ``{"id", "text"}``
+    per line, or a directory whose ``*.txt`` files are the documents) or a directory whose
+    ``*.jsonl`` files are the collections, named by their stem; the first is the default, a
+    request picks one with ``vllm_xargs.dp_context``. Documents over ``max_document_tokens``
+    tokens are refused at start-up.
+
+    Each query: ``members`` disjoint members (documents assigned by a keyed hash of their id) and
+    a public sequence decoded in lockstep; ``mechanism`` ``expmech`` or ``vote`` chooses each
+    private token among the public sequence's top ``candidates``; ``gate`` ``svt`` spends only
+    where at least a ``threshold`` fraction of the members disagrees with the public token (noisily;
+    ``gate_share`` of each private step's epsilon), ``none`` makes every step private. At most
+    ``max_private_tokens`` private tokens a query; later tokens are the public sequence's, free.
+    ``epsilon``/``delta``: a query's budget (``vllm_xargs.dp_epsilon`` may ask for another, up to
+    ``max_epsilon``); ``total_epsilon``/``total_delta``: a context's budget over all queries (basic
+    composition); a query that does not fit gets HTTP 429. ``max_tokens``: the cap on a response's
+    length. ``clip``: expmech's clipping bound C (nats).
+    """
+
+    contexts: dict[str, str] | str
+    mechanism: str = "expmech"
+    members: int = 16
+    epsilon: float = 8.0
+    delta: float = 1e-6
+    max_epsilon: float | None = None
+    total_epsilon: float = 200.0
+    total_delta: float = 1e-4
+    max_private_tokens: int = 8
+    gate: str = "svt"
+    gate_share: float = 0.5
+    threshold: float = 0.5
+    clip: float = 1.0
+    candidates: int = 20
+    max_document_tokens: int = 1024
+    max_tokens: int = 256
+    budget_file: str | None = None
+
+    def __post_init__(self) -> None:
+        _choice(self.mechanism, AGGREGATION_MECHANISMS, "aggregate.mechanism")
+        _choice(self.gate, GATES, "aggregate.gate")
+        for name in ("epsilon", "total_epsilon"):
+            _check_field(self, name, check_epsilon, f"aggregate.{name}")
+        for name in ("delta", "total_delta"):
+            _check_field(self, name, check_delta, f"aggregate.{name}")
+        _check_field(self, "clip", check_positive, "aggregate.clip")
+        for name in ("members", "max_private_tokens", "candidates", "max_document_tokens", "max_tokens"):
+            _check(check_count, getattr(self, name), f"aggregate.{name}")
+        if self.max_epsilon is not None:
+            _check_field(self, "max_epsilon", check_epsilon, "aggregate.max_epsilon")
+        if self.epsilon > self.cap:
+            raise ConfigError(f"aggregate.epsilon={self.epsilon:g} exceeds aggregate.max_epsilon={self.cap:g}")
+        if self.cap > self.total_epsilon:
+            raise ConfigError(f"aggregate.total_epsilon={self.total_epsilon:g} cannot pay for one query of "
+                              f"epsilon {self.cap:g}")
+        if self.delta > self.total_delta:
+            raise ConfigError(f"aggregate.total_delta={self.total_delta:g} is below one query's delta {self.delta:g}")
+        for name in ("gate_share", "threshold"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+                raise ConfigError(f"aggregate.{name} must lie in [0, 1), got {value!r}")
+        if self.gate == "svt" and self.gate_share == 0.0:
+            raise ConfigError("aggregate.gate_share must be > 0 with gate svt (the gate spends budget)")
+        if self.budget_file is not None and not isinstance(self.budget_file, str):
+            raise ConfigError(f"aggregate.budget_file must be a file path, got {self.budget_file!r}")
+        if isinstance(self.contexts, dict):
+            if not self.contexts:
+                raise ConfigError("aggregate.contexts must name at least one document collection")
+            for name, path in self.contexts.items():
+                _check_context_name(name, "aggregate.contexts")
+                if not isinstance(path, str):
+                    raise ConfigError(f"aggregate.contexts.{name} must be a file or directory path, got {path!r}")
+        elif not isinstance(self.contexts, str):
+            raise ConfigError("aggregate.contexts must be a mapping name -> JSONL file or directory, or a "
+                              f"directory of .jsonl collections, got {type(self.contexts).__name__}")
+
+    @property
+    def cap(self) -> float:
+        """The largest per-query epsilon a request may ask for."""
+        return self.epsilon if self.max_epsilon is None else self.max_epsilon
+
+    @property
+    def gate_fraction(self) -> float:
+        """The share of each private step's epsilon the gate spends (0 without one)."""
+        return self.gate_share if self.gate == "svt" else 0.0
+
+    def collection_sources(self) -> dict[str, str]:
+        """name -> source, in order (the first is the default)."""
+        if isinstance(self.contexts, dict):
+            return dict(self.contexts)
+        files = sorted(Path(self.contexts).glob("*.jsonl"))
+        if not files:
+            raise ConfigError(f"aggregate.contexts: no .jsonl collections in {self.contexts!r}")
+        for p in files:
+            _check_context_name(p.stem, "aggregate.contexts")
+        return {p.stem: str(p) for p in files}
 
 
 PROMPT_MODES = ("tokens", "embeddings")
@@ -261,7 +364,9 @@ class DPPrivacyConfig:
     """Top-level ``dp_privacy`` section.
 
     ``enabled`` means DP attention (the ``attention`` section: the attention backend's switch);
-    ``prompt_enabled`` means prompt privatization (the ``prompt`` section: the renderer's).
+    ``prompt_enabled`` means prompt privatization (the ``prompt`` section: the renderer's);
+    ``aggregate`` is DP aggregation at the output (the API server answers chat and completions
+    itself). ``attention`` and ``aggregate`` exclude each other.
     ``key_file``: the secret noise key (default ``$VLLM_DP_KEY_FILE`` or
     ``~/.config/vllm-dp/noise.key``); ``ledger_file``: the release ledger (default
     ``releases.jsonl`` beside the key). Keep both for the life of the deployment: a new key draws
@@ -272,6 +377,7 @@ class DPPrivacyConfig:
     ledger_file: str | None = None
     attention: AttentionPrivacyConfig | None = None
     prompt: PromptPrivacyConfig | None = None
+    aggregate: AggregatePrivacyConfig | None = None
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> DPPrivacyConfig:
@@ -279,7 +385,8 @@ class DPPrivacyConfig:
         if not isinstance(raw, dict):
             raise ConfigError(f"{CONFIG_KEY} must be a mapping, got {type(raw).__name__}")
         _no_unknown_keys(raw, cls, CONFIG_KEY)
-        sections = {"attention": AttentionPrivacyConfig, "prompt": PromptPrivacyConfig}
+        sections = {"attention": AttentionPrivacyConfig, "prompt": PromptPrivacyConfig,
+                    "aggregate": AggregatePrivacyConfig}
         parsed: dict[str, Any] = {"key_file": raw.get("key_file"), "ledger_file": raw.get("ledger_file")}
         for name, value in parsed.items():
             if value is not None and not isinstance(value, str):
@@ -287,6 +394,12 @@ class DPPrivacyConfig:
         for name, section_cls in sections.items():
             if raw.get(name) is not None:
                 parsed[name] = _build(section_cls, raw[name], f"{CONFIG_KEY}.{name}")
+        if parsed.get("aggregate") is not None and parsed.get("attention") is not None:
+            raise ConfigError(f"{CONFIG_KEY}: give either `attention` (DP attention) or `aggregate` (DP "
+                              "aggregation at the output), not both")
+        if parsed.get("aggregate") is not None and parsed.get("prompt") is not None:
+            raise ConfigError(f"{CONFIG_KEY}: `aggregate` cannot be combined with `prompt` yet (its requests "
+                              "do not pass through the prompt renderer)")
         return cls(**parsed)
 
     @classmethod
@@ -339,6 +452,13 @@ def section_from_file(path: str | Path) -> Any:
     for name in ("key_file", "ledger_file"):
         if isinstance(raw.get(name), str):
             raw[name] = str(base / raw[name])
+    agg = raw.get("aggregate")
+    if isinstance(agg, dict):
+        for name in ("contexts", "budget_file"):
+            if isinstance(agg.get(name), str):
+                agg[name] = str(base / agg[name])
+        if isinstance(agg.get("contexts"), dict):
+            agg["contexts"] = {n: str(base / f) if isinstance(f, str) else f for n, f in agg["contexts"].items()}
     att = raw.get("attention")
     if not isinstance(att, dict):
         return raw

@@ -9,6 +9,8 @@
   (layer, KV head) release and what it spends (mode, noise calibration, ``releases_per_head``);
 * ``ContextPlan.report()``: the privacy statement; ``context_reports`` gives every served
   context's. ``GET /v1/dp/budget`` returns them and ``vllm-dp account`` prints them: one statement.
+* ``aggregation_params`` / ``aggregate_report``: the same for DP aggregation at the output (the
+  ``aggregate`` section): one query's calibrated mechanism and a collection's statement.
 
 Serving's workers build their releases from the same plan (``ContextPlan.layer``).
 """
@@ -30,10 +32,13 @@ from .attention.features import taylor_degree, taylor_kernel_error
 from .attention.mapping import HeadMapping
 from .attention.params import DPAttentionParams
 from .attention.private_context import HeadLayout, PrivateContextLayer
-from .config import AttentionPrivacyConfig, ConfigError
+from .config import AggregatePrivacyConfig, AttentionPrivacyConfig, ConfigError
 from .lru import LRU
 from .privacy.accountant import Budget
+from .privacy.aggregation import UNIT as AGGREGATION_UNIT
+from .privacy.aggregation import AggregationParams
 from .privacy.mechanisms import Mechanism
+from .privacy.query_ledger import BudgetStatus
 
 MAX_DEGREE = 64
 MAX_PLANS = 64  # ContextPlan.of's cache (serving: one per context, kind and softmax scale)
@@ -351,3 +356,54 @@ def context_reports(cfg: AttentionPrivacyConfig, shape: ModelShape, lengths: Map
         report = ContextPlan.of(cfg, shape, "cross_attention", shape.encoder_positions).report()
         return [{**report, "context": ENCODER_CONTEXT}]
     return [{"name": name, **ContextPlan.of(cfg, shape, "self_attention", n).report()} for name, n in lengths.items()]
+
+
+# --------------------------------------------------------------------------- DP aggregation
+AGGREGATE_NOT_PROTECTED = (
+    "which documents exist and how many, the response's length and timing, and what the public "
+    "sequence (the conversation alone) would answer"
+)
+
+
+def aggregation_params(cfg: AggregatePrivacyConfig, epsilon: float | None = None) -> AggregationParams:
+    """One query's mechanism at per-query ``epsilon`` (default ``cfg.epsilon``; at most
+    ``cfg.cap``): per-step epsilons calibrated so that its worst case fits (eps, ``cfg.delta``)."""
+    eps = cfg.epsilon if epsilon is None else float(epsilon)
+    if not 0.0 < eps <= cfg.cap:
+        raise ValueError(f"dp_epsilon must lie in (0, {cfg.cap:g}] (aggregate.max_epsilon), got {eps:g}")
+    return _aggregation_params(cfg.mechanism, cfg.members, eps, cfg.delta, cfg.max_private_tokens,
+                               cfg.gate_fraction, cfg.clip, cfg.threshold, cfg.candidates)
+
+
+@functools.lru_cache(maxsize=256)
+def _aggregation_params(mechanism, members, eps, delta, max_private, gate_share, clip, threshold,
+                        candidates) -> AggregationParams:
+    return AggregationParams.calibrated(mechanism, members, Budget(eps, delta), max_private, gate_share,
+                                        clip=clip, threshold=threshold,
+                                        candidates=candidates)
+
+
+def aggregate_report(cfg: AggregatePrivacyConfig, name: str, ledger: BudgetStatus | None) -> dict[str, Any]:
+    """JSON-ready statement of one document collection served by DP aggregation: the unit, the
+    default query's mechanism and worst case, the context's total budget, and (``ledger``) what
+    the queries so far spent."""
+    params = aggregation_params(cfg)
+    report = {
+        "name": name,
+        "mode": "aggregate",
+        "unit": AGGREGATION_UNIT,
+        "mechanism": params.mechanism,
+        "members": params.members,
+        "gate": cfg.gate,
+        "per_query": {"epsilon": cfg.epsilon, "delta": cfg.delta, "max_epsilon": cfg.cap,
+                      "worst_case": {"epsilon": params.worst_case.epsilon, "delta": params.worst_case.delta}},
+        "per_private_token": {"eps_select": params.eps_select, "eps_gate": params.eps_gate},
+        "max_private_tokens": params.max_private_tokens,
+        "composition": "per query: RDP (zCDP events) or basic, whichever is smaller; over queries: basic",
+        "budget": {"epsilon": cfg.total_epsilon, "delta": cfg.total_delta},
+        "not_protected": AGGREGATE_NOT_PROTECTED,
+        "statement": params.statement(),
+    }
+    if ledger is not None:
+        report["ledger"] = ledger.to_json()
+    return report

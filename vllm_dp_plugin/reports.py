@@ -3,12 +3,16 @@
 DP attention: the statement ``GET /v1/dp/budget`` gives (``settings.budget_statement``: one
 ``ContextPlan.report()`` per private context), computed for the model the configuration will
 serve (``account_statement``) and rendered line by line from those reports (``attention_report``):
-nothing is computed on another path. Prompt privatization: the per-token statement.
+nothing is computed on another path. DP aggregation: ``aggregate_statement`` (one
+``plan.aggregate_report`` per collection, with its query ledger), rendered by ``aggregate_text``.
+Prompt privatization: the per-token statement.
 """
 
 from __future__ import annotations
 
-from .config import ConfigError, DPPrivacyConfig, PromptPrivacyConfig
+from pathlib import Path
+
+from .config import AggregatePrivacyConfig, ConfigError, DPPrivacyConfig, PromptPrivacyConfig
 
 
 def account_statement(config: DPPrivacyConfig, model: str | None) -> dict:
@@ -19,6 +23,8 @@ def account_statement(config: DPPrivacyConfig, model: str | None) -> dict:
     from .plan import ModelShape
     from .serving.settings import budget_statement
 
+    if config.aggregate is not None:
+        return aggregate_statement(config.aggregate, stored_query_ledger(config))
     if config.attention is None:
         return budget_statement(config, None, {})
     if model is None:
@@ -28,6 +34,38 @@ def account_statement(config: DPPrivacyConfig, model: str | None) -> dict:
         )
     shape = ModelShape.from_pretrained(model)
     return budget_statement(config, shape, context_lengths(config, shape, model))
+
+
+def stored_query_ledger(config: DPPrivacyConfig):
+    """The deployment's query ledger if its noise key exists (``vllm-dp account`` never creates
+    a key), else None."""
+    from .privacy.keyed_noise import NoiseKey, default_key_path
+    from .privacy.query_ledger import QueryLedger
+
+    key_path = Path(config.key_file) if config.key_file else default_key_path()
+    if not key_path.exists():
+        return None
+    key = NoiseKey(key_path)
+    return QueryLedger(key, config.aggregate.budget_file or key_path.parent / QUERY_LEDGER_NAME)
+
+
+def aggregate_statement(agg: AggregatePrivacyConfig, ledger) -> dict:
+    """The statement of DP aggregation (``dp_privacy.aggregate``): one ``plan.aggregate_report``
+    per collection, with what its queries spent so far when ``ledger`` (a ``QueryLedger``) is
+    given. ``GET /v1/dp/budget`` answers it; ``vllm-dp account`` prints it."""
+    from .plan import aggregate_report
+    from .privacy.accountant import Budget
+
+    total = Budget(agg.total_epsilon, agg.total_delta)
+    return {"enabled": True, "mode": "aggregate",
+            "contexts": [aggregate_report(agg, name, None if ledger is None else ledger.status(name, total))
+                         for name in agg.collection_sources()],
+            "scope": AGGREGATE_SCOPE}
+
+
+AGGREGATE_SCOPE = ("per collection: each collection has its own total budget, spent by the queries "
+                   "that use it (basic composition over queries)")
+QUERY_LEDGER_NAME = "queries.jsonl"
 
 
 def context_lengths(config: DPPrivacyConfig, shape, model: str) -> dict[str, int]:
@@ -44,7 +82,10 @@ def context_lengths(config: DPPrivacyConfig, shape, model: str) -> dict[str, int
 def budget_report(config: DPPrivacyConfig, statement: dict) -> str:
     """What each configured feature spends: DP attention from ``statement`` (``account_statement``),
     prompt privatization from the configuration."""
-    parts = [attention_report(report) for report in statement["contexts"]]
+    if statement.get("mode") == "aggregate":
+        parts = [aggregate_text(report) for report in statement["contexts"]]
+    else:
+        parts = [attention_report(report) for report in statement["contexts"]]
     if statement.get("scope"):
         parts.append(f"Budget scope: {statement['scope']}")
     if config.prompt is not None:
@@ -103,6 +144,28 @@ def attention_report(report: dict) -> str:
             f"  kernel error per layer: {_numbers(report['kernel_error'])}",
         ]
     )
+
+
+def aggregate_text(report: dict) -> str:
+    """One collection's statement (``plan.aggregate_report``), line by line."""
+    per, tok = report["per_query"], report["per_private_token"]
+    lines = [
+        (f"DP aggregation over collection {report['name']!r} ({report['mechanism']}, {report['members']} members, "
+        f"gate {report['gate']})"),
+        f"  unit of privacy: {report['unit']}",
+        (f"  per query: at most {_budget(per['worst_case'])} at the default eps {per['epsilon']:g} "
+         f"(requests may ask for up to {per['max_epsilon']:g})"),
+        (f"  per private token: eps_select={tok['eps_select']:.4g}, eps_gate={tok['eps_gate']:.4g}; at most "
+         f"{report['max_private_tokens']} private tokens a query (later tokens are public, free)"),
+        f"  composition: {report['composition']}",
+        f"  budget of the collection: {_budget(report['budget'])}",
+        f"  not protected: {report['not_protected']}",
+    ]
+    if "ledger" in report:
+        led = report["ledger"]
+        lines.append(f"  spent so far: {_budget(led['spent'])} by {led['queries']} queries; remaining "
+                     f"{_budget(led['remaining'])}")
+    return "\n".join(lines)
 
 
 def _budget(b: dict) -> str:

@@ -578,6 +578,35 @@ def dp_server(mode: str, **attention: object) -> Callable[[Bench, float | None, 
     return server
 
 
+def aggregate_server(mechanism: str, **settings: object) -> Callable[[Bench, float | None, Sequence[dict]], Server]:
+    """``vllm-dp serve`` with DP aggregation (``dp_privacy.aggregate``), each of ``scenarios``'
+    documents a collection (one document per line) named by the scenario id; ``settings``:
+    more ``aggregate`` keys (default: the README's recommended settings)."""
+
+    def server(bench: Bench, eps: float | None, scenarios: Sequence[dict]) -> Server:
+        assert eps is not None
+        name = f"aggregate-{mechanism}-eps{eps:g}-{scenarios[0]['id']}"
+        section = {
+            "key_file": str(bench.work / "noise.key"),
+            "aggregate": {"mechanism": mechanism, "epsilon": eps, "delta": DELTA,
+                          "total_epsilon": 100 * eps,  # every question of a scenario fits
+                          "contexts": bench.collection_files(scenarios),
+                          "budget_file": str(bench.work / f"queries-{name}.jsonl"), **settings},
+        }
+        config = bench.work / f"dp-{name}.json"
+        config.write_text(json.dumps({"dp_privacy": section}, indent=1))
+        return Server(cmd=(*VLLM_DP, "serve", bench.model, "--dp-config", str(config), *ENGINE_FLAGS),
+                      env=(("VLLM_PLUGINS", None),), dp=True)
+
+    return server
+
+
+def aggregate_request(layout: ChatLayout, scenario: dict, q: dict) -> Request:
+    """The user turn alone (the public sequence; members get their documents before it)."""
+    prompt = layout.none_ids(scenario["documents"], q["q"])
+    return Request(prompt, len(prompt), {"vllm_xargs": {"dp_context": scenario["id"]}})
+
+
 def _plain(ids: Callable[[ChatLayout, Sequence[str], str], list[int]]):
     def request(layout: ChatLayout, scenario: dict, q: dict) -> Request:
         prompt = ids(layout, scenario["documents"], q["q"])
@@ -602,6 +631,11 @@ ROWS: dict[str, Row] = {
     # x 4 bytes): 2 contexts a server.
     "dp_tree": Row("DP attention, mode tree (DPTree; Taylor degree 1 keeps its tables small)", True,
                    dp_server("tree", degree=1), dp_request, contexts_per_server=2),
+    "aggregate_expmech": Row("DP aggregation at the output: exponential mechanism over clipped log-probability "
+                             "differences (unit: one document, eps per query)", True,
+                             aggregate_server("expmech"), aggregate_request),
+    "aggregate_vote": Row("DP aggregation at the output: noisy vote (report-noisy-max) of the members' tokens "
+                          "(unit: one document, eps per query)", True, aggregate_server("vote"), aggregate_request),
 }
 
 
@@ -641,6 +675,19 @@ class Bench:
             path = folder / f"{s['id']}.txt"
             if not path.exists():
                 path.write_text(self.layout().context_text(s["documents"]), encoding="utf-8")
+            files[s["id"]] = str(path)
+        return files
+
+    def collection_files(self, scenarios: Sequence[dict]) -> dict[str, str]:
+        """One document collection per scenario (JSONL, one document a line), named by its id."""
+        folder = self.work / "collections"
+        folder.mkdir(exist_ok=True)
+        files = {}
+        for s in scenarios:
+            path = folder / f"{s['id']}.jsonl"
+            if not path.exists():
+                path.write_text("".join(json.dumps({"id": str(i), "text": d}) + "\n"
+                                        for i, d in enumerate(s["documents"])), encoding="utf-8")
             files[s["id"]] = str(path)
         return files
 

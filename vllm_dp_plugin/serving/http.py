@@ -35,6 +35,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from ..config import ConfigError
+from ..privacy.keyed_noise import NoiseKey
 from ..prompt.session import (
     OPTION_CONTEXT,
     PromptRequest,
@@ -43,11 +44,14 @@ from ..prompt.session import (
     option_overrides,
     resolve_options,
 )
+from .aggregate import ROUTES as AGGREGATE_ROUTES
+from .aggregate import AggregateService
 from .context import select_context
 from .settings import (
     PLUGIN_NAME,
     ModelShape,
     budget_payload,
+    check_engine_options,
     check_prompt_serving,
     dp_config,
     private_contexts,
@@ -62,6 +66,7 @@ HARMLESS_POST = ("/detokenize", "/ping")
 CONTEXT_POST = ("/v1/completions", "/v1/chat/completions", "/invocations", *HARMLESS_POST)
 PROMPT_POST = (*CONTEXT_POST, "/v1/chat/completions/batch", "/v1/responses", "/v1/messages")
 ENCODER_POST = ("/v1/audio/transcriptions", "/v1/audio/translations", *HARMLESS_POST)
+AGGREGATE_POST = (*AGGREGATE_ROUTES, *HARMLESS_POST)
 # field -> why it is refused (a value counts as set unless it is None or False: 0 is set, since
 # prompt_logprobs=0 still returns the logprob of every prompt token)
 FORBIDDEN_FIELDS = {
@@ -77,7 +82,7 @@ FORBIDDEN_FIELDS = {
 def allowed_post(features: frozenset[str]) -> frozenset[str]:
     """The POST routes open while ``features`` (of "context", "prompt", "encoder") are on: those
     every feature on can serve."""
-    routes = {"context": CONTEXT_POST, "prompt": PROMPT_POST, "encoder": ENCODER_POST}
+    routes = {"context": CONTEXT_POST, "prompt": PROMPT_POST, "encoder": ENCODER_POST, "aggregate": AGGREGATE_POST}
     return frozenset.intersection(*(frozenset(routes[f]) for f in features))
 
 
@@ -189,6 +194,9 @@ class PrivateContextGuard:
         if refusal is not None:
             logger.info("vllm-dp: refused %s (%s)", scope["path"], refusal[1].split(":")[0])
             return await _error(*refusal)(scope, receive, send)
+        service = getattr(state, "dp_aggregate", None)
+        if service is not None and scope["path"] in AGGREGATE_ROUTES:
+            return await (await service.handle(scope["path"], parsed))(scope, receive, send)
         if prompt_cfg is None and not contexts:
             return await self.app(scope, _replay(body, receive), send)
         overrides = option_overrides(parsed.get("vllm_xargs"))
@@ -264,7 +272,18 @@ async def dp_budget(request: Request) -> JSONResponse:
     payload = getattr(request.app.state, "dp_budget", None)
     if payload is None:
         return _error(400, "the server was started without the dp_privacy plugin state")
-    return JSONResponse(payload)
+    return JSONResponse(_payload(payload))
+
+
+class DynamicBudget:
+    """A statement computed at each ``/v1/dp/budget`` call (DP aggregation: spending changes)."""
+
+    def __init__(self, compute):
+        self.compute = compute
+
+
+def _payload(budget) -> dict:
+    return budget.compute() if isinstance(budget, DynamicBudget) else budget
 
 
 class DPPrivacyEndpoints:
@@ -280,7 +299,7 @@ class DPPrivacyEndpoints:
 
     async def init_state(self, engine_client, state, args) -> None:
         state.dp_budget, state.dp_guard, state.dp_prompt, state.dp_routes = {"enabled": False}, False, None, None
-        state.dp_contexts = ()
+        state.dp_contexts, state.dp_aggregate = (), None
         if engine_client is None:  # the CPU-only render server: no engine, nothing private
             return
         vllm_config = engine_client.vllm_config
@@ -292,25 +311,48 @@ class DPPrivacyEndpoints:
         check_request_logging(args)
         if cfg.attention is not None:
             await verify_engine(engine_client, vllm_config)
-        state.dp_budget = budget_payload(vllm_config)  # prompt privatization's statement included
-        state.dp_guard = "context" in features
-        if state.dp_guard:
+        if cfg.aggregate is not None:
+            state.dp_aggregate = aggregate_service(engine_client, vllm_config, cfg, args)
+            state.dp_budget = DynamicBudget(state.dp_aggregate.statement)
+        else:
+            state.dp_budget = budget_payload(vllm_config)  # prompt privatization's statement included
+        state.dp_guard = bool(features & {"context", "aggregate"})
+        if "context" in features:
             state.dp_contexts = tuple(c.name for c in private_contexts(vllm_config))
         state.dp_prompt = cfg.prompt
         state.dp_routes = allowed_post(features)
-        logger.info("vllm-dp: privacy budget %s", json.dumps(state.dp_budget))
+        logger.info("vllm-dp: privacy budget %s", json.dumps(_payload(state.dp_budget)))
 
 
 def dp_features(vllm_config, cfg) -> frozenset[str]:
     """Which DP features this server runs: "context" (a private context), "encoder" (DP
-    cross-attention over each request's encoder output), "prompt" (prompt privatization)."""
+    cross-attention over each request's encoder output), "prompt" (prompt privatization),
+    "aggregate" (DP aggregation at the output over document collections)."""
     features = set()
+    if cfg.aggregate is not None:
+        features.add("aggregate")
     if cfg.attention is not None:
         enc_dec = bool(getattr(vllm_config.model_config, "is_encoder_decoder", False))
         features.add("encoder" if enc_dec else "context")
     if cfg.prompt is not None:
         features.add("prompt")
     return frozenset(features)
+
+
+def aggregate_service(engine_client, vllm_config, cfg, args) -> AggregateService:
+    """The DP aggregation service (``dp_privacy.aggregate``): collections loaded and partitioned,
+    engine options checked (nothing that reads or publishes cached rows)."""
+    check_engine_options(vllm_config, "dp_privacy.aggregate")
+    tokenizer = engine_client.get_tokenizer()
+    eos = getattr(vllm_config.model_config.hf_config, "eos_token_id", None)
+    stops = {tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None}
+    names = getattr(args, "served_model_name", None)
+    name = names[0] if names else vllm_config.model_config.model
+    service = AggregateService(cfg.aggregate, engine_client, tokenizer, NoiseKey(cfg.key_file), name,
+                               tuple(sorted(stops)))
+    logger.info("vllm-dp: DP aggregation over %d collection(s), %d members each (unit: one document)",
+                len(service.collections), cfg.aggregate.members)
+    return service
 
 
 def check_request_logging(args) -> None:

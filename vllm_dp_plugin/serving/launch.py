@@ -118,8 +118,8 @@ def _on_cuda() -> bool:
 def serve_arguments(argv: list[str], dp_config: str | None) -> list[str]:
     """``vllm serve`` arguments: ``argv`` plus, for ``dp_config``, ``--additional-config``,
     ``--tokenizer-mode dp_private`` (private context or prompt privatization),
-    ``--enable-prompt-embeds`` (prompt privatization in embeddings mode) and, on CUDA with DP
-    attention, ``--attention-backend CUSTOM``. Refuses conflicting flags and, with a private
+    ``--enable-prompt-embeds`` (prompt privatization in embeddings mode), on CUDA with DP
+    attention, ``--attention-backend CUSTOM`` and, with DP aggregation, ``--max-logprobs``. Refuses conflicting flags and, with a private
     context, options outside ``CONTEXT_SERVE_OPTIONS``; with a private context, selects vLLM's V1
     model runner unless ``VLLM_USE_V2_MODEL_RUNNER`` is set (the start-up check refuses V2)."""
     allow_plugin()
@@ -130,8 +130,12 @@ def serve_arguments(argv: list[str], dp_config: str | None) -> list[str]:
     raw = resolved_config(dp_config)
     flags = ["--additional-config", json.dumps({CONFIG_KEY: raw})]
     att, prompt = raw.get("attention") or {}, raw.get("prompt")
-    typed = parse_section(raw).attention  # parsed once (resolved_config): the cached object
+    parsed = parse_section(raw)  # parsed once (resolved_config): the cached object
+    typed = parsed.attention
     context = typed is not None and typed.serves_context
+    if parsed.aggregate is not None:  # the engine holds the documents' rows: the same option allowlist
+        check_context_options(argv)
+        flags += logprob_flags(argv, parsed.aggregate.candidates)
     if context:
         check_context_options(argv)
         os.environ.setdefault(RUNNER_ENV, "0")  # V1: the runner that says which context a request reads
@@ -148,6 +152,16 @@ def serve_arguments(argv: list[str], dp_config: str | None) -> list[str]:
         flags.append("--enable-prompt-embeds")
     _calibrate_if_missing(argv, att)
     return [*argv, *flags]
+
+
+def logprob_flags(argv: list[str], candidates: int) -> list[str]:
+    """``--max-logprobs`` for DP aggregation, which asks the engine for ``candidates`` top
+    log-probabilities of every sequence (vLLM's default allows 20)."""
+    given = [a.split("=", 1)[1] for a in argv if a.startswith("--max-logprobs=")]
+    given += [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--max-logprobs"]
+    if any(int(g) < candidates for g in given):
+        raise ConfigError(f"--max-logprobs must be >= aggregate.candidates={candidates}, got {given}")
+    return [] if given else ["--max-logprobs", str(max(20, candidates))]
 
 
 def _calibrate_if_missing(argv: list[str], att: dict) -> None:

@@ -114,9 +114,10 @@ def check_serving(vllm_config, cfg: DPPrivacyConfig) -> None:
 ALLOWED_OPTIONAL_SECTIONS = ("model_config", "quant_config", "reasoning_config")
 
 
-def check_engine_options(vllm_config) -> None:
-    """Refuse engine features that read or publish private positions (private contexts served)."""
-    key = dp_config(vllm_config).attention.context_key()
+def check_engine_options(vllm_config, key: str | None = None) -> None:
+    """Refuse engine features that read or publish private positions (private contexts or
+    document collections served); errors name ``key`` (default: the attention contexts' key)."""
+    key = key or dp_config(vllm_config).attention.context_key()
     for field in dataclasses.fields(type(vllm_config)):
         if field.default is not None or field.name in ALLOWED_OPTIONAL_SECTIONS:
             continue

@@ -1,0 +1,245 @@
+"""The query ledger: reserve-before-compute, settle, refusal at the total, persistence across
+restarts, crash safety, keyed entries only, and no over-spending under concurrent processes."""
+
+import json
+import multiprocessing
+import os
+import stat
+
+import pytest
+
+from vllm_dp_plugin.privacy.accountant import Budget
+from vllm_dp_plugin.privacy.keyed_noise import NoiseKey
+from vllm_dp_plugin.privacy.query_ledger import (
+    BudgetExhausted,
+    BudgetStatus,
+    QueryLedger,
+    Reservation,
+)
+
+TOTAL = Budget(3.0, 1e-5)
+
+
+@pytest.fixture
+def key(tmp_path):
+    return NoiseKey(tmp_path / "noise.key")
+
+
+@pytest.fixture
+def ledger(key, tmp_path):
+    return QueryLedger(key, tmp_path / "ledger" / "queries.jsonl")
+
+
+def _lines(ledger):
+    return [json.loads(line) for line in ledger.path.read_text().splitlines()]
+
+
+def test_reserve_settle_status_arithmetic(ledger):
+    first = ledger.reserve("ctx", TOTAL, Budget(1.0, 2e-6))
+    assert isinstance(first, Reservation) and first.context == "ctx" and first.amount == Budget(1.0, 2e-6)
+    second = ledger.reserve("ctx", TOTAL, Budget(0.5, 1e-6))
+    assert first.id != second.id
+    # unsettled reservations count in full
+    status = ledger.status("ctx", TOTAL)
+    assert status.queries == 2
+    assert status.spent.epsilon == pytest.approx(1.5) and status.spent.delta == pytest.approx(3e-6)
+    assert status.remaining.epsilon == pytest.approx(1.5) and status.remaining.delta == pytest.approx(7e-6)
+    # settling at less than reserved gives the difference back
+    settled = ledger.settle(first, Budget(0.25, 0.0))
+    assert isinstance(settled, BudgetStatus)
+    assert settled.total == TOTAL and settled.queries == 2
+    assert settled.spent.epsilon == pytest.approx(0.75) and settled.spent.delta == pytest.approx(1e-6)
+    assert settled.remaining.epsilon == pytest.approx(2.25) and settled.remaining.delta == pytest.approx(9e-6)
+    assert ledger.status("ctx", TOTAL) == settled
+    # other contexts are accounted separately
+    assert ledger.status("other", TOTAL).spent == Budget(0.0, 0.0)
+    assert ledger.status("other", TOTAL).queries == 0
+    as_json = settled.to_json()
+    assert as_json["spent"]["epsilon"] == pytest.approx(0.75) and as_json["queries"] == 2
+    assert as_json["total"] == {"epsilon": 3.0, "delta": 1e-5}
+    assert json.dumps(as_json)  # serialisable
+
+
+def test_exceeding_the_total_is_refused_and_writes_nothing(ledger):
+    ledger.reserve("ctx", TOTAL, Budget(2.0, 0.0))
+    size = ledger.path.stat().st_size
+    with pytest.raises(BudgetExhausted, match="'ctx'") as info:
+        ledger.reserve("ctx", TOTAL, Budget(1.5, 0.0))
+    assert info.value.remaining == Budget(1.0, 1e-5)
+    assert info.value.requested == Budget(1.5, 0.0)
+    assert "remaining" in str(info.value) and "requested" in str(info.value)
+    assert ledger.path.stat().st_size == size
+    # delta alone can exhaust it too
+    with pytest.raises(BudgetExhausted):
+        ledger.reserve("ctx", TOTAL, Budget(0.1, 2e-5))
+    assert ledger.path.stat().st_size == size
+    # exactly what is left still fits, then nothing more
+    ledger.reserve("ctx", TOTAL, Budget(1.0, 1e-5))
+    with pytest.raises(BudgetExhausted) as info:
+        ledger.reserve("ctx", TOTAL, Budget(1e-6, 0.0))
+    assert info.value.remaining == Budget(0.0, 0.0)
+    assert ledger.status("ctx", TOTAL).queries == 2
+
+
+def test_float_sums_at_the_total_are_tolerated(ledger):
+    total = Budget(0.3, 0.0)
+    for _ in range(3):
+        ledger.reserve("ctx", total, Budget(0.1, 0.0))  # 0.2 + 0.1 = 0.30000000000000004 > 0.3
+    assert ledger.status("ctx", total).queries == 3
+    with pytest.raises(BudgetExhausted):
+        ledger.reserve("ctx", total, Budget(1e-6, 0.0))
+
+
+def test_state_persists_across_restarts(key, tmp_path):
+    path = tmp_path / "queries.jsonl"
+    reservation = QueryLedger(key, path).reserve("ctx", TOTAL, Budget(2.0, 0.0))
+    restarted = QueryLedger(NoiseKey(tmp_path / "noise.key"), path)
+    assert restarted.status("ctx", TOTAL).spent == Budget(2.0, 0.0)
+    # a reservation made before the restart can be settled after it
+    assert restarted.settle(reservation, Budget(1.0, 0.0)).spent == Budget(1.0, 0.0)
+    assert QueryLedger(key, path).status("ctx", TOTAL).remaining == Budget(2.0, 1e-5)
+    with pytest.raises(BudgetExhausted):
+        QueryLedger(key, path).reserve("ctx", TOTAL, Budget(2.5, 0.0))
+
+
+def test_a_crash_after_reserve_counts_the_full_reservation(key, tmp_path):
+    path = tmp_path / "queries.jsonl"
+    crashed = QueryLedger(key, path)
+    crashed.reserve("ctx", TOTAL, Budget(2.5, 1e-6))
+    del crashed  # the query died before settling
+    status = QueryLedger(key, path).status("ctx", TOTAL)
+    assert status.spent == Budget(2.5, 1e-6) and status.queries == 1
+    with pytest.raises(BudgetExhausted):
+        QueryLedger(key, path).reserve("ctx", TOTAL, Budget(1.0, 0.0))
+
+
+def test_a_write_torn_by_a_crash_is_ignored_and_cut_off(ledger):
+    ledger.reserve("ctx", TOTAL, Budget(1.0, 0.0))
+    with open(ledger.path, "ab") as handle:
+        handle.write(b'{"context":"abc","del')  # a crash mid-write: reserve() never returned
+    assert ledger.status("ctx", TOTAL).spent == Budget(1.0, 0.0)
+    ledger.reserve("ctx", TOTAL, Budget(1.0, 0.0))
+    assert len(_lines(ledger)) == 2  # the torn bytes are gone, every line parses
+    assert ledger.status("ctx", TOTAL).spent == Budget(2.0, 0.0)
+
+
+def test_bad_settlements_are_refused(ledger):
+    reservation = ledger.reserve("ctx", TOTAL, Budget(1.0, 1e-6))
+    size = ledger.path.stat().st_size
+    with pytest.raises(ValueError, match="exceeds the reserved"):
+        ledger.settle(reservation, Budget(1.5, 0.0))
+    with pytest.raises(ValueError, match="exceeds the reserved"):
+        ledger.settle(reservation, Budget(1.0, 2e-6))
+    with pytest.raises(ValueError, match="not in ledger"):
+        ledger.settle(Reservation("ctx", "0" * 32, Budget(1.0, 1e-6)), Budget(0.5, 0.0))
+    with pytest.raises(ValueError, match="not in ledger"):  # right id, wrong context
+        ledger.settle(Reservation("other", reservation.id, reservation.amount), Budget(0.5, 0.0))
+    with pytest.raises(ValueError, match="ledger recorded"):
+        ledger.settle(Reservation("ctx", reservation.id, Budget(5.0, 1e-6)), Budget(4.0, 0.0))
+    assert ledger.path.stat().st_size == size
+    ledger.settle(reservation, Budget(1.0, 1e-6))  # exactly the reserved amount is fine
+    size = ledger.path.stat().st_size
+    with pytest.raises(ValueError, match="already settled"):
+        ledger.settle(reservation, Budget(0.5, 0.0))
+    assert ledger.path.stat().st_size == size
+    assert ledger.status("ctx", TOTAL).spent == Budget(1.0, 1e-6)
+
+
+def test_inputs_are_validated(ledger):
+    with pytest.raises(ValueError, match=r"amount\.epsilon must be a finite number >= 0"):
+        ledger.reserve("ctx", TOTAL, Budget(-1.0, 0.0))
+    with pytest.raises(ValueError, match=r"amount\.delta"):
+        ledger.reserve("ctx", TOTAL, Budget(1.0, 1.5))
+    with pytest.raises(ValueError, match=r"total\.epsilon must be > 0"):
+        ledger.reserve("ctx", Budget(0.0, 0.0), Budget(0.0, 0.0))
+    with pytest.raises(ValueError, match=r"total\.epsilon must be finite"):
+        ledger.status("ctx", Budget(float("inf"), 0.0))
+    with pytest.raises(ValueError, match="non-empty string"):
+        ledger.reserve("", TOTAL, Budget(1.0, 0.0))
+    assert not ledger.path.exists()  # nothing recorded, nothing created
+    free = ledger.reserve("ctx", TOTAL, Budget(0, 0.0))  # a query that releases nothing
+    with pytest.raises(ValueError, match=r"actual\.epsilon"):
+        ledger.settle(free, Budget(float("nan"), 0.0))
+
+
+def test_status_of_a_missing_ledger_creates_nothing(ledger):
+    status = ledger.status("ctx", TOTAL)
+    assert status.spent == Budget(0.0, 0.0) and status.remaining == TOTAL and status.queries == 0
+    assert not ledger.path.exists()
+
+
+def test_entries_hold_keyed_labels_and_the_file_is_private(key, ledger):
+    reservation = ledger.reserve("secret-context", TOTAL, Budget(1.0, 0.0))
+    ledger.settle(reservation, Budget(0.5, 0.0))
+    text = ledger.path.read_text()
+    assert "secret" not in text
+    reserve, settle = _lines(ledger)
+    assert reserve["context"] == settle["context"] == key.label("query-ledger/context", "secret-context")
+    assert reserve["key"] == settle["key"] == key.label("query-ledger/key")
+    assert (reserve["kind"], settle["kind"]) == ("reserve", "settle")
+    assert reserve["id"] == settle["id"] == reservation.id and len(reservation.id) == 32
+    assert (reserve["epsilon"], settle["epsilon"]) == (1.0, 0.5)
+    assert reserve["time"] > 0
+    assert stat.S_IMODE(os.stat(ledger.path).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(ledger.path.parent).st_mode) == 0o700
+
+
+def test_entries_under_another_key_are_ignored_and_counted(tmp_path):
+    path = tmp_path / "queries.jsonl"
+    old = QueryLedger(NoiseKey(tmp_path / "old.key"), path)
+    old.settle(old.reserve("ctx", TOTAL, Budget(2.0, 0.0)), Budget(1.0, 0.0))
+    new = QueryLedger(NoiseKey(tmp_path / "new.key"), path)
+    status = new.status("ctx", TOTAL)
+    assert status.spent == Budget(0.0, 0.0) and status.queries == 0 and status.foreign == 2
+    assert status.to_json()["entries_under_other_keys"] == 2
+    new.reserve("ctx", TOTAL, Budget(3.0, 0.0))  # the old key's spending does not count here
+    assert new.status("ctx", TOTAL).queries == 1
+    assert old.status("ctx", TOTAL).spent == Budget(1.0, 0.0)  # nor the new key's there
+
+
+def test_corrupt_lines_are_a_clear_error(ledger):
+    ledger.reserve("ctx", TOTAL, Budget(1.0, 0.0))
+    good = ledger.path.read_text()
+    ledger.path.write_text(good + "{not json\n" + good)
+    with pytest.raises(ValueError, match=r"queries\.jsonl line 2 is corrupt"):
+        ledger.status("ctx", TOTAL)
+    with pytest.raises(ValueError, match="line 2 is corrupt"):
+        ledger.reserve("ctx", TOTAL, Budget(0.1, 0.0))
+    entry = json.loads(good)
+    entry["epsilon"] = -1.0
+    ledger.path.write_text(good + json.dumps(entry) + "\n")
+    with pytest.raises(ValueError, match="line 2 is corrupt: epsilon"):
+        ledger.status("ctx", TOTAL)
+    ledger.path.write_text(good + good)  # a reservation id twice
+    with pytest.raises(ValueError, match="line 2 repeats reservation id"):
+        ledger.status("ctx", TOTAL)
+
+
+def _reserve_many(key_path, ledger_path, count, queue):
+    ledger = QueryLedger(NoiseKey(key_path), ledger_path)
+    granted = 0
+    for _ in range(count):
+        try:
+            ledger.reserve("shared", Budget(25.0, 0.0), Budget(1.0, 0.0))
+            granted += 1
+        except BudgetExhausted:
+            pass
+    queue.put(granted)
+
+
+def test_concurrent_processes_never_overspend(tmp_path):
+    key_path, ledger_path = tmp_path / "noise.key", tmp_path / "queries.jsonl"
+    NoiseKey(key_path)
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_reserve_many, args=(key_path, ledger_path, 10, queue)) for _ in range(4)]
+    for proc in procs:
+        proc.start()
+    granted = [queue.get(timeout=60) for _ in procs]
+    for proc in procs:
+        proc.join(timeout=60)
+        assert proc.exitcode == 0
+    assert sum(granted) == 25
+    assert len(ledger_path.read_text().splitlines()) == 25
+    status = QueryLedger(NoiseKey(key_path), ledger_path).status("shared", Budget(25.0, 0.0))
+    assert status.spent == Budget(25.0, 0.0) and status.queries == 25 and status.remaining == Budget(0.0, 0.0)

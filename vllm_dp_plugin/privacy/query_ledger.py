@@ -1,0 +1,355 @@
+"""A persistent budget for per-query releases on named private contexts: every query reserves
+its (epsilon, delta) before it touches private data and settles what it actually spent after.
+
+Guarantees:
+
+* **No over-spending, even under concurrency.** ``reserve`` reads what a context has spent and
+  appends its reservation while holding an exclusive ``flock`` on the ledger file, so workers,
+  processes and restarts sharing the file never grant more than the total between them.
+* **Crash-safe.** A reservation is appended and ``fsync``-ed before ``reserve`` returns, i.e.
+  before any private computation; a crash afterwards leaves the full reserved amount counted
+  (over-counting is the safe direction). A line torn by a crash mid-write (no final newline, not
+  valid JSON) belongs to a call that never returned: it is ignored and cut off by the next write.
+* **Composition.** Queries use independent noise, so their budgets compose by basic composition
+  (Dwork & Roth Thm 3.16): epsilons add, deltas add. A context's spent budget is the sum of the
+  settled amounts of settled reservations plus the full amounts of unsettled ones.
+* **Uniform keyed file.** One JSON line per event (mode 0600, parent directory created 0700),
+  like ``release_ledger``: the context appears only as ``NoiseKey.label`` (keyed), and each line
+  carries the label of the key that wrote it; lines written under another key cannot be matched
+  to a context, are ignored, and are counted (``foreign``) so a report can say the history is
+  incomplete. Corrupt lines raise ``ValueError`` naming the file and line.
+
+Every call re-reads the whole file (it is the source of truth shared with other processes), so
+its cost grows with the number of queries recorded; rotate the file with the key.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .accountant import Budget
+from .keyed_noise import NoiseKey
+from .validation import check_delta, check_epsilon
+
+REL_TOLERANCE = 1e-9  # float sums of many small epsilons may overshoot the total by rounding
+ID_BYTES = 16
+RESERVE = "reserve"
+SETTLE = "settle"
+_KINDS = (RESERVE, SETTLE)
+
+
+class BudgetExhausted(RuntimeError):
+    """A reservation would take a context past its total; nothing was recorded."""
+
+    def __init__(self, context: str, total: Budget, remaining: Budget, requested: Budget, path: Path):
+        self.context = context
+        self.total = total
+        self.remaining = remaining
+        self.requested = requested
+        super().__init__(
+            f"query budget of context {context!r} exhausted: requested {requested}, "
+            f"remaining {remaining} of total {total} (ledger {path})"
+        )
+
+
+@dataclass(frozen=True)
+class BudgetStatus:
+    """A context's budget as recorded: ``spent`` composes every reservation (settled ones at
+    their actual amount), ``remaining`` is ``total - spent`` clamped at 0, ``queries`` counts
+    reservations, ``foreign`` counts ledger lines written under another key (unmatched)."""
+
+    context: str
+    total: Budget
+    spent: Budget
+    remaining: Budget
+    queries: int
+    foreign: int = 0
+
+    def to_json(self) -> dict:
+        return {
+            "context": self.context,
+            "total": _budget_json(self.total),
+            "spent": _budget_json(self.spent),
+            "remaining": _budget_json(self.remaining),
+            "queries": self.queries,
+            "entries_under_other_keys": self.foreign,
+        }
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """A recorded reservation of ``amount`` on ``context``, to be settled once with ``settle``."""
+
+    context: str
+    id: str
+    amount: Budget
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One ledger line. ``total_*`` is the total the reservation was checked against (copied
+    into its settle line), so ``settle`` can report a status without being given the total."""
+
+    key: str
+    context: str
+    kind: str
+    id: str
+    epsilon: float
+    delta: float
+    total_epsilon: float
+    total_delta: float
+    time: float
+
+    def to_line(self) -> bytes:
+        return (json.dumps(asdict(self), sort_keys=True, separators=(",", ":")) + "\n").encode("utf-8")
+
+
+@dataclass
+class _Account:
+    """What the file says about one context (under this ledger's key)."""
+
+    reserved: dict[str, _Entry]  # id -> reserve line, in file order
+    settled: dict[str, _Entry]  # id -> settle line
+    foreign: int = 0
+    torn_at: int | None = None  # offset of a torn final line (a crash mid-write), to cut off
+    needs_newline: bool = False  # the final line is a complete entry without its newline
+
+    @property
+    def spent(self) -> Budget:
+        amounts = [self.settled.get(rid, entry) for rid, entry in self.reserved.items()]
+        return Budget(math.fsum(e.epsilon for e in amounts), math.fsum(e.delta for e in amounts))
+
+
+class QueryLedger:
+    """The query-budget record at ``path``, keyed by ``key``. Safe to share between threads,
+    processes and restarts: every operation holds a ``flock`` on the file while it runs."""
+
+    def __init__(self, key: NoiseKey, path: str | os.PathLike):
+        self._key = key
+        self.path = Path(path)
+        self._key_label = key.label("query-ledger/key")
+
+    def reserve(self, context: str, total: Budget, amount: Budget) -> Reservation:
+        """Record that a query on ``context`` (budget ``total``) is about to spend ``amount``.
+
+        Atomic: under an exclusive lock, if the context's spent budget plus ``amount`` exceeds
+        ``total`` in epsilon or delta (beyond a relative tolerance of 1e-9), raises
+        ``BudgetExhausted`` and writes nothing; otherwise appends and fsyncs a reservation with
+        a fresh random id before returning it. Call it before any private computation."""
+        context = _check_context(context)
+        total = _check_total(total)
+        amount = _check_amount(amount, "amount")
+        label = self._context_label(context)
+        with self._open(write=True) as handle:
+            account = self._read(handle, label)
+            spent = account.spent
+            after = Budget(spent.epsilon + amount.epsilon, spent.delta + amount.delta)
+            if _exceeds(after.epsilon, total.epsilon) or _exceeds(after.delta, total.delta):
+                raise BudgetExhausted(context, total, _remaining(total, spent), amount, self.path)
+            rid = os.urandom(ID_BYTES).hex()
+            entry = _Entry(self._key_label, label, RESERVE, rid, amount.epsilon, amount.delta,
+                           total.epsilon, total.delta, time.time())
+            self._append(handle, account, entry)
+        return Reservation(context, rid, amount)
+
+    def settle(self, reservation: Reservation, actual: Budget) -> BudgetStatus:
+        """Record that ``reservation``'s query spent ``actual`` (at most the reserved amount) and
+        return the context's status against the total the reservation was checked against.
+
+        Raises ``ValueError`` (and writes nothing) if the reservation is not in the ledger under
+        this key, was already settled, does not match the recorded amount, or if ``actual``
+        exceeds the reserved amount in epsilon or delta."""
+        context = _check_context(reservation.context)
+        actual = _check_amount(actual, "actual")
+        label = self._context_label(context)
+        with self._open(write=True) as handle:
+            account = self._read(handle, label)
+            reserved = account.reserved.get(reservation.id)
+            if reserved is None:
+                raise ValueError(
+                    f"reservation {reservation.id!r} of context {context!r} is not in ledger "
+                    f"{self.path} under this key"
+                )
+            if reservation.id in account.settled:
+                raise ValueError(f"reservation {reservation.id!r} of context {context!r} is already settled")
+            if Budget(reserved.epsilon, reserved.delta) != reservation.amount:
+                raise ValueError(
+                    f"reservation {reservation.id!r} claims {reservation.amount} but the ledger "
+                    f"recorded {Budget(reserved.epsilon, reserved.delta)}"
+                )
+            if _exceeds(actual.epsilon, reserved.epsilon) or _exceeds(actual.delta, reserved.delta):
+                raise ValueError(
+                    f"actual spending {actual} exceeds the reserved {reservation.amount} of "
+                    f"context {context!r}: reserve the larger amount before computing"
+                )
+            entry = _Entry(self._key_label, label, SETTLE, reservation.id, actual.epsilon, actual.delta,
+                           reserved.total_epsilon, reserved.total_delta, time.time())
+            self._append(handle, account, entry)
+            account.settled[reservation.id] = entry
+        total = Budget(reserved.total_epsilon, reserved.total_delta)
+        return _status(context, total, account)
+
+    def status(self, context: str, total: Budget) -> BudgetStatus:
+        """``context``'s budget as recorded, against ``total`` (all zero if the file does not
+        exist; reading never creates it). Reservations not yet settled count in full."""
+        context = _check_context(context)
+        total = _check_total(total)
+        label = self._context_label(context)
+        if not self.path.exists():
+            return _status(context, total, _Account({}, {}))
+        with self._open(write=False) as handle:
+            account = self._read(handle, label)
+        return _status(context, total, account)
+
+    def _context_label(self, context: str) -> str:
+        return self._key.label("query-ledger/context", context)
+
+    def _read(self, handle, label: str) -> _Account:
+        """Parse the whole file; check this key's lines for consistency. A final line without a
+        newline that does not parse is a write torn by a crash: ignored (see ``_append``)."""
+        handle.seek(0)
+        lines = handle.read().split(b"\n")
+        account = _Account({}, {})
+        seen: set[str] = set()
+        offset = 0
+        for number, raw in enumerate(lines, 1):
+            start, offset = offset, offset + len(raw) + 1
+            if not raw.strip():
+                continue
+            last = number == len(lines)  # the last piece of the split has no newline after it
+            try:
+                entry = _parse(raw)
+            except ValueError as exc:
+                if last:
+                    account.torn_at = start
+                    break
+                raise ValueError(f"query ledger {self.path} line {number} is corrupt: {exc}") from None
+            account.needs_newline = last
+            if entry.key != self._key_label:
+                account.foreign += 1
+                continue
+            where = f"query ledger {self.path} line {number}"
+            if entry.kind == RESERVE:
+                if entry.id in seen:
+                    raise ValueError(f"{where} repeats reservation id {entry.id!r}")
+                seen.add(entry.id)
+                if entry.context == label:
+                    account.reserved[entry.id] = entry
+            elif entry.context == label:
+                if entry.id not in account.reserved:
+                    raise ValueError(
+                        f"{where} settles reservation {entry.id!r}, which is not reserved before it"
+                    )
+                if entry.id in account.settled:
+                    raise ValueError(f"{where} settles reservation {entry.id!r} a second time")
+                account.settled[entry.id] = entry
+        return account
+
+    @staticmethod
+    def _append(handle, account: _Account, entry: _Entry) -> None:
+        """Append one line after what ``_read`` parsed into ``account`` and fsync it. A torn tail
+        left by a crash is cut off first so the new line starts on a line of its own; a complete
+        entry merely missing its newline is kept (counting it is the safe side)."""
+        if account.torn_at is not None:
+            handle.truncate(account.torn_at)
+        handle.seek(0, os.SEEK_END)
+        if account.needs_newline:
+            handle.write(b"\n")
+        handle.write(entry.to_line())
+        handle.flush()
+        os.fsync(handle.fileno())
+        account.torn_at, account.needs_newline = None, False
+
+    def _open(self, *, write: bool):
+        """The ledger file, locked (exclusive to write, shared to read); closing it unlocks."""
+        if not write:
+            handle = open(self.path, "rb")  # noqa: SIM115 - returned, closed by the caller's with
+            fcntl.flock(handle.fileno(), fcntl.LOCK_SH)
+            return handle
+        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            fd = os.open(self.path, os.O_RDWR)
+        else:
+            os.fchmod(fd, 0o600)  # whatever the umask
+            _fsync_dir(self.path.parent)  # the new file's name survives a crash too
+        handle = os.fdopen(fd, "r+b")
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        return handle
+
+
+def _parse(raw: bytes) -> _Entry:
+    fields = json.loads(raw.decode("utf-8"))  # UnicodeDecodeError and JSONDecodeError: ValueError
+    if not isinstance(fields, dict):
+        raise ValueError("not a JSON object")  # noqa: TRY004 - one type for corrupt lines
+    try:
+        entry = _Entry(**fields)
+    except TypeError as exc:
+        raise ValueError(str(exc)) from None
+    if entry.kind not in _KINDS:
+        raise ValueError(f"unknown kind {entry.kind!r}")
+    for name in ("key", "context", "id"):
+        if not isinstance(getattr(entry, name), str):
+            raise ValueError(f"{name} is not a string")  # noqa: TRY004
+    for name in ("epsilon", "delta", "total_epsilon", "total_delta", "time"):
+        value = getattr(entry, name)
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        if not number or not math.isfinite(value) or value < 0:
+            raise ValueError(f"{name} is not a finite number >= 0: {value!r}")
+    return entry
+
+
+def _status(context: str, total: Budget, account: _Account) -> BudgetStatus:
+    spent = account.spent
+    return BudgetStatus(context, total, spent, _remaining(total, spent), len(account.reserved), account.foreign)
+
+
+def _remaining(total: Budget, spent: Budget) -> Budget:
+    return Budget(max(0.0, total.epsilon - spent.epsilon), max(0.0, total.delta - spent.delta))
+
+
+def _exceeds(value: float, limit: float) -> bool:
+    return value > limit and not math.isclose(value, limit, rel_tol=REL_TOLERANCE, abs_tol=0.0)
+
+
+def _check_context(context: str) -> str:
+    if not isinstance(context, str) or not context:
+        raise ValueError(f"a private context must be named by a non-empty string, got {context!r}")
+    return context
+
+
+def _check_total(total: Budget) -> Budget:
+    """A context's total: epsilon > 0, delta in [0, 1)."""
+    return Budget(check_epsilon(total.epsilon, "total.epsilon"),
+                  check_delta(total.delta, "total.delta", allow_zero=True))
+
+
+def _check_amount(amount: Budget, name: str) -> Budget:
+    """A query's amount: epsilon >= 0 (0 for a query that releases nothing), delta in [0, 1)."""
+    try:
+        epsilon = check_epsilon(amount.epsilon, f"{name}.epsilon")
+    except ValueError:
+        value = amount.epsilon
+        if not (isinstance(value, int | float) and not isinstance(value, bool) and value == 0):
+            raise ValueError(f"{name}.epsilon must be a finite number >= 0, got {value!r}") from None
+        epsilon = 0.0
+    return Budget(epsilon, check_delta(amount.delta, f"{name}.delta", allow_zero=True))
+
+
+def _budget_json(budget: Budget) -> dict:
+    return {"epsilon": budget.epsilon, "delta": budget.delta}
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,325 @@
+"""DP aggregation at the output, served by vLLM (``dp_privacy.aggregate``).
+
+The API server answers ``/v1/chat/completions`` and ``/v1/completions`` itself for the document
+collections: each request is ``k`` member sequences (member i: its documents as the system turn,
+then the conversation) and one public sequence (the conversation alone), decoded in lockstep as
+one-token sub-requests to the engine (the pattern of vLLM's own beam search): each step asks the
+engine for every sequence's top-``candidates`` log-probabilities at once (one batch; the prefix
+cache keeps each member's documents prefilled across steps and requests), then
+``aggregate.Aggregator`` chooses the token. Why not an in-engine logits processor: vLLM's v1
+logits processors see one batch row per request and no guarantee that all ``k + 1`` rows of a
+query are in the same step (chunked prefill and preemption split them), so lockstep would need
+scheduler changes; the sub-request loop gets lockstep from ``asyncio.gather``.
+
+What leaves: the chosen tokens (text), how many steps spent budget and the receipt; usage counts
+the public prompt and the output only. The documents, the members' distributions and prompts,
+and the members' token counts never reach a response or a log. Budget: a query reserves its
+worst case in the persistent ledger before any member is computed (HTTP 429 with the remaining
+budget when it does not fit) and settles what it spent when it ends (the worst case if it fails).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+import numpy as np
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from ..aggregate.decode import Aggregator, TopLogprobs, generate
+from ..aggregate.documents import load_collection, member_texts
+from ..config import AggregatePrivacyConfig, ConfigError
+from ..plan import aggregation_params
+from ..privacy.accountant import Budget
+from ..privacy.aggregation import UNIT
+from ..privacy.keyed_noise import NoiseKey
+from ..privacy.query_ledger import BudgetExhausted, QueryLedger
+from ..reports import QUERY_LEDGER_NAME, aggregate_statement
+
+logger = logging.getLogger("vllm.dp_privacy")
+
+ROUTES = ("/v1/completions", "/v1/chat/completions")
+OPTION_EPSILON = "dp_epsilon"
+OPTIONS = ("dp_context", OPTION_EPSILON)
+RECEIPT_HEADER = "x-dp-receipt"
+RECEIPT_FIELD = "dp_receipt"
+# request fields this mode cannot honour (400 naming the field): they would expose the members'
+# aggregate before noise, or ask for several samples or forced tokens
+REFUSED = {
+    "logprobs": "logprobs of generated tokens would expose the members' aggregate before noise",
+    "top_logprobs": "top_logprobs would expose the members' aggregate before noise",
+    "n": "one answer per request",
+    "best_of": "one answer per request",
+    "logit_bias": "logit_bias is not applied by DP aggregation",
+    "stop": "stop strings are not supported by DP aggregation; stop tokens (EOS) are",
+    "suffix": "suffix is not supported by DP aggregation",
+    "tools": "tools are not supported by DP aggregation",
+}
+FIRST_TOKEN_DEFAULTS = {"n": 1, "best_of": 1}
+
+
+@dataclass(frozen=True)
+class ServedCollection:
+    """A collection's members as the engine sees them: each member's system-turn token ids."""
+
+    name: str
+    member_prefixes: tuple[tuple[int, ...], ...]  # SECRET: private documents
+
+
+def chat_prefix_ids(tokenizer, system: str) -> list[int]:
+    """The chat template's rendering of a system turn holding ``system`` (token ids; a BOS the
+    template writes is in the text)."""
+    text = tokenizer.apply_chat_template([{"role": "system", "content": system}], tokenize=False,
+                                         add_generation_prompt=False)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def load_collections(cfg: AggregatePrivacyConfig, tokenizer, key: NoiseKey) -> tuple[ServedCollection, ...]:
+    """Every configured collection loaded, checked and partitioned (ConfigError naming the key)."""
+
+    def count(text: str) -> int:
+        return len(tokenizer.encode(text, add_special_tokens=False))
+
+    out = []
+    for name, source in cfg.collection_sources().items():
+        try:
+            collection = load_collection(name, source, count, cfg.max_document_tokens)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        parts = collection.partition(cfg.members, lambda doc_id, n=name: key.mac("aggregate/member", n, doc_id))
+        prefixes = tuple(tuple(chat_prefix_ids(tokenizer, text)) if part else ()
+                         for part, text in zip(parts, member_texts(parts), strict=True))
+        out.append(ServedCollection(name, prefixes))
+    return tuple(out)
+
+
+class EngineSource:
+    """``decode.Source`` over a vLLM engine client: one-token sub-requests; the first prompt
+    (the public sequence) returns its top ``public_top`` log-probabilities, the members
+    their top ``member_top``."""
+
+    def __init__(self, engine_client, public_top: int, member_top: int):
+        from vllm import SamplingParams
+
+        self.engine = engine_client
+        self.params = [SamplingParams(max_tokens=1, temperature=0.0, logprobs=n, detokenize=False)
+                       for n in (public_top, member_top)]
+
+    async def __call__(self, prompts: list[list[int]]) -> list[TopLogprobs]:
+        from vllm.inputs.engine import tokens_input
+
+        batch = uuid.uuid4().hex
+
+        async def one(i: int, ids: list[int]) -> TopLogprobs:
+            final = None
+            params = self.params[min(i, 1)]
+            async for out in self.engine.generate(tokens_input(ids), params, f"dpagg-{batch}-{i}"):
+                final = out
+            return TopLogprobs.of({t: lp.logprob for t, lp in final.outputs[0].logprobs[0].items()})
+
+        return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
+
+
+class RequestError(Exception):
+    def __init__(self, status: int, message: str, extra: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.extra = status, message, extra or {}
+
+
+class AggregateService:
+    """Answers chat and completion requests over the collections (built in ``init_state``)."""
+
+    def __init__(self, cfg: AggregatePrivacyConfig, engine_client, tokenizer, key: NoiseKey, model_name: str,
+                 stop_ids: tuple[int, ...]):
+        self.cfg, self.engine, self.tokenizer, self.model_name = cfg, engine_client, tokenizer, model_name
+        self.collections = {c.name: c for c in load_collections(cfg, tokenizer, key)}
+        self.ledger = QueryLedger(key, cfg.budget_file or key.path.parent / QUERY_LEDGER_NAME)
+        self.total = Budget(cfg.total_epsilon, cfg.total_delta)
+        self.stop_ids = stop_ids
+        self.source = EngineSource(engine_client, cfg.candidates, 1 if cfg.mechanism == "vote" else cfg.candidates)
+
+    def statement(self) -> dict:
+        """``/v1/dp/budget``'s statement (the same as ``vllm-dp account``), spending included."""
+        return aggregate_statement(self.cfg, self.ledger)
+
+    # ------------------------------------------------------------------ requests
+    def _options(self, body: dict) -> tuple[ServedCollection, float]:
+        xargs = body.get("vllm_xargs") if isinstance(body.get("vllm_xargs"), dict) else {}
+        unknown = sorted(k for k in xargs if k.startswith("dp_") and k not in OPTIONS)
+        if unknown:
+            raise RequestError(400, f"unknown option(s) {unknown} in vllm_xargs; known: {list(OPTIONS)}")
+        name = xargs.get("dp_context", next(iter(self.collections)))
+        if name not in self.collections:
+            raise RequestError(400, f"vllm_xargs.dp_context={name!r} names no served collection; known: "
+                                    f"{list(self.collections)}")
+        eps = xargs.get(OPTION_EPSILON, self.cfg.epsilon)
+        try:
+            eps = float(eps)
+            aggregation_params(self.cfg, eps)
+        except (TypeError, ValueError) as exc:
+            raise RequestError(400, f"vllm_xargs.{OPTION_EPSILON}: {exc}") from None
+        return self.collections[name], eps
+
+    def _check_fields(self, body: dict) -> None:
+        for field, why in REFUSED.items():
+            value = body.get(field)
+            if value is None or value is False or value == FIRST_TOKEN_DEFAULTS.get(field, object()):
+                continue
+            raise RequestError(400, f"`{field}` is not allowed with DP aggregation: {why}")
+
+    def _max_tokens(self, body: dict) -> int:
+        asked = body.get("max_completion_tokens", body.get("max_tokens"))
+        if asked is None:
+            return self.cfg.max_tokens
+        if not isinstance(asked, int) or asked < 1:
+            raise RequestError(400, f"max_tokens must be a positive integer, got {asked!r}")
+        return min(asked, self.cfg.max_tokens)
+
+    def _public_ids(self, path: str, body: dict) -> list[int]:
+        if path == "/v1/chat/completions":
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages:
+                raise RequestError(400, "`messages` must be a non-empty list")
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            return list(prompt)
+        raise RequestError(400, "`prompt` must be one string or one list of token ids")
+
+    def _member_ids(self, path: str, body: dict, collection: ServedCollection, public: list[int]) -> list[list[int]]:
+        """Member i: its documents' system turn, then the conversation (chat: the template over
+        [system, *messages]; completions: the prefix, then the prompt); an empty member sees the
+        public sequence."""
+        if path == "/v1/completions":
+            bos = self.tokenizer.bos_token_id
+            rest = public[1:] if public and bos is not None and public[0] == bos else public
+            return [[*prefix, *rest] if prefix else list(public) for prefix in collection.member_prefixes]
+        out = []
+        for prefix in collection.member_prefixes:
+            out.append([*prefix, *self._conversation_ids(body["messages"])] if prefix else list(public))
+        return out
+
+    def _conversation_ids(self, messages: list[dict]) -> list[int]:
+        """The template's rendering of ``messages`` after a system turn (ids), generation prompt on."""
+        system = [{"role": "system", "content": ""}]
+        alone = self.tokenizer.apply_chat_template(system, tokenize=False)
+        both = self.tokenizer.apply_chat_template([*system, *messages], tokenize=False, add_generation_prompt=True)
+        if not both.startswith(alone):
+            raise RequestError(400, "the chat template renders a system turn differently when messages follow")
+        return self.tokenizer.encode(both[len(alone):], add_special_tokens=False)
+
+    async def handle(self, path: str, body: dict):
+        try:
+            self._check_fields(body)
+            collection, eps = self._options(body)
+            max_tokens = self._max_tokens(body)
+            public = self._public_ids(path, body)
+            members = self._member_ids(path, body, collection, public)
+            params = aggregation_params(self.cfg, eps)
+            try:
+                reservation = self.ledger.reserve(collection.name, self.total, params.worst_case)
+            except BudgetExhausted as exc:
+                raise RequestError(429, str(exc), {"remaining": _budget_json(exc.remaining)}) from None
+        except RequestError as exc:
+            return _error(exc)
+        query = _Query(self, path, body, collection.name, params, reservation, public, members, max_tokens)
+        if body.get("stream"):
+            return StreamingResponse(query.stream(), media_type="text/event-stream")
+        return await query.respond()
+
+
+class _Query:
+    """One request's lockstep decoding and its OpenAI-shaped answer."""
+
+    def __init__(self, service: AggregateService, path, body, name, params, reservation, public, members, max_tokens):
+        self.service, self.path, self.body, self.name = service, path, body, name
+        self.params, self.reservation = params, reservation
+        self.public, self.members, self.max_tokens = public, members, max_tokens
+        self.chat = path == "/v1/chat/completions"
+        self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.tokens: list[int] = []
+        self.finish = "length"
+        self.aggregator = Aggregator(params, np.random.default_rng(np.random.SeedSequence(
+            int.from_bytes(hashlib.sha256(uuid.uuid4().bytes + np.random.bytes(16)).digest(), "big"))))
+
+    async def steps(self):
+        """Yield each new piece of text; settles the ledger when done (worst case on failure)."""
+        settled = self.reservation.amount
+        try:
+            async for step in generate(self.service.source, self.public, self.members, self.aggregator,
+                                       self.max_tokens, self.service.stop_ids):
+                if step.token in self.service.stop_ids:
+                    self.finish = "stop"
+                    break
+                before = self._text()
+                self.tokens.append(step.token)
+                yield self._text()[len(before):]
+            settled = self.aggregator.spent()
+        finally:
+            self.status = self.service.ledger.settle(self.reservation, settled)
+
+    def _text(self) -> str:
+        return self.service.tokenizer.decode(self.tokens, skip_special_tokens=True)
+
+    def receipt(self) -> dict:
+        spent = self.aggregator.spent()
+        return {"context": self.name, "epsilon": spent.epsilon, "delta": spent.delta,
+                "private_tokens": self.aggregator.private_steps, "tokens": len(self.tokens),
+                "requested_epsilon": self.params.worst_case.epsilon, "unit": UNIT,
+                "remaining": _budget_json(self.status.remaining)}
+
+    def usage(self) -> dict:
+        return {"prompt_tokens": len(self.public), "completion_tokens": len(self.tokens),
+                "total_tokens": len(self.public) + len(self.tokens)}
+
+    async def respond(self) -> JSONResponse:
+        async for _ in self.steps():
+            pass
+        text = self._text()
+        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": self.finish}
+                  if self.chat else {"index": 0, "text": text, "logprobs": None, "finish_reason": self.finish})
+        receipt = self.receipt()
+        body = {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.service.model_name, "choices": [choice],
+                "usage": self.usage(), RECEIPT_FIELD: receipt}
+        return JSONResponse(body, headers={RECEIPT_HEADER: json.dumps(receipt, separators=(",", ":"))})
+
+    async def stream(self):
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+
+        def chunk(piece: str | None, finish: str | None, role: bool = False, **extra) -> str:
+            if self.chat:
+                delta = {"role": "assistant"} if role else {} if piece is None else {"content": piece}
+                choice = {"index": 0, "delta": delta, "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": finish}
+            data = {"id": self.id, "object": kind, "created": self.created, "model": self.service.model_name,
+                    "choices": [choice], **extra}
+            return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+        if self.chat:
+            yield chunk(None, None, role=True)
+        async for piece in self.steps():
+            if piece:
+                yield chunk(piece, None)
+        yield chunk(None, self.finish, usage=self.usage(), **{RECEIPT_FIELD: self.receipt()})
+        yield "data: [DONE]\n\n"
+
+
+def _budget_json(b: Budget) -> dict:
+    return {"epsilon": b.epsilon, "delta": b.delta}
+
+
+def _error(exc: RequestError) -> JSONResponse:
+    kinds = {400: "BadRequestError", 429: "RateLimitError"}
+    return JSONResponse({"error": {"message": exc.message, "type": kinds.get(exc.status, "Error"),
+                                   "code": exc.status, **exc.extra}}, status_code=exc.status)
