@@ -11,8 +11,10 @@ DEMO_MODEL := .demo/llama
 REAL_MODELS := .models/smollm2-135m-instruct .models/whisper-tiny-en
 CHAT_MODEL := .models/smollm2-135m-instruct
 MODEL ?= $(CHAT_MODEL)
-# DP attention over the bundled private context for SmolLM2 and the demo model; `make serve DP_CONFIG=` serves without DP.
-DP_CONFIG ?= $(if $(filter $(CHAT_MODEL),$(MODEL)),examples/serve-smollm2.yaml,$(if $(filter $(DEMO_MODEL),$(MODEL)),examples/serve-dp.yaml))
+# SmolLM2: DP aggregation over the bundled document collection (DP attention over the same facts as
+# one private context: DP_CONFIG=examples/serve-smollm2.yaml); the demo model: DP attention;
+# `make serve DP_CONFIG=` serves without DP.
+DP_CONFIG ?= $(if $(filter $(CHAT_MODEL),$(MODEL)),examples/serve-smollm2-aggregate.yaml,$(if $(filter $(DEMO_MODEL),$(MODEL)),examples/serve-dp.yaml))
 HOST ?= 127.0.0.1
 PORT ?= 8000
 # On CPU this fraction of RAM is reserved for the KV cache; keep it small on a 2-core box.

@@ -198,3 +198,62 @@ def test_prompt_section_defaults_and_switches():
 def test_bad_prompt_config_names_the_key(prompt, match):
     with pytest.raises(ConfigError, match=match):
         DPPrivacyConfig.from_dict({"prompt": prompt})
+
+
+# --------------------------------------------------------------------------- aggregate section
+def _aggregate(**fields):
+    return DPPrivacyConfig.from_dict({"aggregate": {"contexts": {"docs": "docs.jsonl"}, **fields}}).aggregate
+
+
+def test_aggregate_defaults_are_the_recommended_settings():
+    agg = _aggregate()
+    assert (agg.mechanism, agg.members, agg.epsilon, agg.gate, agg.max_private_tokens) == ("vote", 8, 8.0, "svt", 4)
+    assert agg.choices is None and _aggregate(mechanism="expmech").choices == 64
+    assert agg.cap == 8.0 and _aggregate(max_epsilon=16.0).cap == 16.0
+    assert _aggregate(gate="none").gate_fraction == 0.0 and agg.gate_fraction == 0.5
+
+
+@pytest.mark.parametrize(("fields", "key"), [
+    ({"mechanism": "median"}, "aggregate.mechanism"),
+    ({"gate": "maybe"}, "aggregate.gate"),
+    ({"members": 0}, "aggregate.members"),
+    ({"epsilon": 10.0, "max_epsilon": 5.0}, "aggregate.max_epsilon"),
+    ({"epsilon": 300.0}, "aggregate.total_epsilon"),
+    ({"delta": 1e-3}, "aggregate.total_delta"),
+    ({"gate_share": 1.0}, "aggregate.gate_share"),
+    ({"gate_share": 0.0}, "aggregate.gate_share"),
+    ({"threshold": -0.1}, "aggregate.threshold"),
+    ({"confidence": 1.5}, "aggregate.confidence"),
+    ({"candidates": 0}, "aggregate.candidates"),
+    ({"contexts": {"bad name": "x.jsonl"}}, "aggregate.contexts"),
+    ({"contexts": {}}, "aggregate.contexts"),
+    ({"contexts": 3}, "aggregate.contexts"),
+    ({"budget_file": 3}, "aggregate.budget_file"),
+])
+def test_aggregate_errors_name_the_key(fields, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        _aggregate(**fields)
+
+
+def test_aggregate_excludes_attention_and_prompt():
+    base = {"aggregate": {"contexts": {"docs": "d.jsonl"}}}
+    with pytest.raises(ConfigError, match="either `attention`"):
+        DPPrivacyConfig.from_dict({**base, "attention": {"epsilon": 1.0, "delta": 1e-6}})
+    with pytest.raises(ConfigError, match="`prompt`"):
+        DPPrivacyConfig.from_dict({**base, "prompt": {}})
+
+
+def test_aggregate_directory_of_collections(tmp_path):
+    (tmp_path / "b.jsonl").write_text('{"text": "x"}\n')
+    (tmp_path / "a.jsonl").write_text('{"text": "y"}\n')
+    agg = DPPrivacyConfig.from_dict({"aggregate": {"contexts": str(tmp_path)}}).aggregate
+    assert list(agg.collection_sources()) == ["a", "b"]
+    with pytest.raises(ConfigError, match="no .jsonl collections"):
+        DPPrivacyConfig.from_dict({"aggregate": {"contexts": str(tmp_path / "none")}}).aggregate.collection_sources()
+
+
+def test_aggregate_paths_resolve_relative_to_the_file(tmp_path):
+    (tmp_path / "dp.yaml").write_text("aggregate:\n  contexts: {docs: docs.jsonl}\n  budget_file: q.jsonl\n")
+    raw = section_from_file(tmp_path / "dp.yaml")
+    assert raw["aggregate"]["contexts"] == {"docs": str(tmp_path / "docs.jsonl")}
+    assert raw["aggregate"]["budget_file"] == str(tmp_path / "q.jsonl")

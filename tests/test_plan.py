@@ -103,3 +103,31 @@ def test_config_shape_keys_must_match_the_model():
         _plan(bounds=BOUNDS, num_kv_heads=4)
     with pytest.raises(ConfigError, match="exceeds max_context=10"):
         _plan(bounds=BOUNDS, max_context=10)
+
+
+# --------------------------------------------------------------------------- DP aggregation
+def test_aggregate_report_states_the_calibrated_query_and_the_ledger(tmp_path):
+    from vllm_dp_plugin.plan import aggregate_report, aggregation_params
+    from vllm_dp_plugin.privacy.accountant import Budget
+    from vllm_dp_plugin.privacy.keyed_noise import NoiseKey
+    from vllm_dp_plugin.privacy.query_ledger import QueryLedger
+    from vllm_dp_plugin.reports import aggregate_statement, aggregate_text
+
+    agg = DPPrivacyConfig.from_dict({"aggregate": {"contexts": {"docs": "d.jsonl"}, "epsilon": 4.0,
+                                                   "max_epsilon": 8.0}}).aggregate
+    params = aggregation_params(agg)
+    assert params.worst_case.epsilon <= 4.0 * (1 + 1e-9)
+    assert params.worst_case.epsilon == pytest.approx(4.0, rel=1e-4)
+    assert aggregation_params(agg, 8.0).worst_case.epsilon == pytest.approx(8.0, rel=1e-4)
+    with pytest.raises(ValueError, match="dp_epsilon"):
+        aggregation_params(agg, 9.0)
+    ledger = QueryLedger(NoiseKey(tmp_path / "k"), tmp_path / "q.jsonl")
+    total = Budget(agg.total_epsilon, agg.total_delta)
+    ledger.settle(ledger.reserve("docs", total, params.worst_case), Budget(1.5, 0.0))
+    statement = aggregate_statement(agg, ledger)
+    (report,) = statement["contexts"]
+    assert report == {**aggregate_report(agg, "docs", ledger.status("docs", total))}
+    assert report["unit"].startswith("one document") and report["candidates"] == "the whole vocabulary"
+    assert report["ledger"]["spent"]["epsilon"] == pytest.approx(1.5) and report["ledger"]["queries"] == 1
+    text = aggregate_text(report)
+    assert "one document" in text and "spent so far: (eps=1.5" in text

@@ -208,27 +208,32 @@ class AggregatePrivacyConfig:
     private token among the public sequence's top ``candidates``; ``gate`` ``svt`` spends only
     where at least a ``threshold`` fraction of the members disagrees with the public token (noisily;
     ``gate_share`` of each private step's epsilon), ``none`` makes every step private. At most
-    ``max_private_tokens`` private tokens a query; later tokens are the public sequence's, free.
+    ``max_private_tokens`` private tokens a query; later tokens are the public sequence's, free;
+    ``confidence`` < 1 also emits the public token, free, wherever the public sequence's own top
+    token has at least that probability (a public rule).
     ``epsilon``/``delta``: a query's budget (``vllm_xargs.dp_epsilon`` may ask for another, up to
     ``max_epsilon``); ``total_epsilon``/``total_delta``: a context's budget over all queries (basic
     composition); a query that does not fit gets HTTP 429. ``max_tokens``: the cap on a response's
-    length. ``clip``: expmech's clipping bound C (nats).
+    length. ``clip``: expmech's clipping bound C (nats). ``candidates``: the public sequence's top
+    tokens a private step chooses among (default: the whole vocabulary for ``vote``, 64 for
+    ``expmech``, whose members then return as many log-probabilities).
     """
 
     contexts: dict[str, str] | str
-    mechanism: str = "expmech"
-    members: int = 16
+    mechanism: str = "vote"
+    members: int = 8
     epsilon: float = 8.0
     delta: float = 1e-6
     max_epsilon: float | None = None
     total_epsilon: float = 200.0
     total_delta: float = 1e-4
-    max_private_tokens: int = 8
+    max_private_tokens: int = 4
     gate: str = "svt"
     gate_share: float = 0.5
-    threshold: float = 0.5
+    threshold: float = 0.4
     clip: float = 1.0
-    candidates: int = 20
+    confidence: float = 1.0
+    candidates: int | None = None
     max_document_tokens: int = 1024
     max_tokens: int = 256
     budget_file: str | None = None
@@ -241,8 +246,13 @@ class AggregatePrivacyConfig:
         for name in ("delta", "total_delta"):
             _check_field(self, name, check_delta, f"aggregate.{name}")
         _check_field(self, "clip", check_positive, "aggregate.clip")
-        for name in ("members", "max_private_tokens", "candidates", "max_document_tokens", "max_tokens"):
+        _check_field(self, "confidence", check_positive, "aggregate.confidence")
+        if self.confidence > 1.0:
+            raise ConfigError(f"aggregate.confidence must lie in (0, 1] (1: off), got {self.confidence!r}")
+        for name in ("members", "max_private_tokens", "max_document_tokens", "max_tokens"):
             _check(check_count, getattr(self, name), f"aggregate.{name}")
+        if self.candidates is not None:
+            _check(check_count, self.candidates, "aggregate.candidates")
         if self.max_epsilon is not None:
             _check_field(self, "max_epsilon", check_epsilon, "aggregate.max_epsilon")
         if self.epsilon > self.cap:
@@ -277,6 +287,13 @@ class AggregatePrivacyConfig:
         return self.epsilon if self.max_epsilon is None else self.max_epsilon
 
     @property
+    def choices(self) -> int | None:
+        """The candidates a private step chooses among (None: the whole vocabulary)."""
+        if self.candidates is None and self.mechanism == "expmech":
+            return EXPMECH_CANDIDATES
+        return self.candidates
+
+    @property
     def gate_fraction(self) -> float:
         """The share of each private step's epsilon the gate spends (0 without one)."""
         return self.gate_share if self.gate == "svt" else 0.0
@@ -293,6 +310,7 @@ class AggregatePrivacyConfig:
         return {p.stem: str(p) for p in files}
 
 
+EXPMECH_CANDIDATES = 64  # expmech's default: every member returns this many log-probabilities a step
 PROMPT_MODES = ("tokens", "embeddings")
 FAST_DTYPES = ("float32", "bfloat16")
 SEARCH_DEVICES = ("auto", "cpu", "cuda")

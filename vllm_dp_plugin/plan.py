@@ -372,15 +372,15 @@ def aggregation_params(cfg: AggregatePrivacyConfig, epsilon: float | None = None
     if not 0.0 < eps <= cfg.cap:
         raise ValueError(f"dp_epsilon must lie in (0, {cfg.cap:g}] (aggregate.max_epsilon), got {eps:g}")
     return _aggregation_params(cfg.mechanism, cfg.members, eps, cfg.delta, cfg.max_private_tokens,
-                               cfg.gate_fraction, cfg.clip, cfg.threshold, cfg.candidates)
+                               cfg.gate_fraction, cfg.clip, cfg.threshold, cfg.choices, cfg.confidence)
 
 
 @functools.lru_cache(maxsize=256)
 def _aggregation_params(mechanism, members, eps, delta, max_private, gate_share, clip, threshold,
-                        candidates) -> AggregationParams:
+                        candidates, confidence) -> AggregationParams:
     return AggregationParams.calibrated(mechanism, members, Budget(eps, delta), max_private, gate_share,
                                         clip=clip, threshold=threshold,
-                                        candidates=candidates)
+                                        candidates=candidates, confidence=confidence)
 
 
 def aggregate_report(cfg: AggregatePrivacyConfig, name: str, ledger: BudgetStatus | None) -> dict[str, Any]:
@@ -399,6 +399,7 @@ def aggregate_report(cfg: AggregatePrivacyConfig, name: str, ledger: BudgetStatu
                       "worst_case": {"epsilon": params.worst_case.epsilon, "delta": params.worst_case.delta}},
         "per_private_token": {"eps_select": params.eps_select, "eps_gate": params.eps_gate},
         "max_private_tokens": params.max_private_tokens,
+        "candidates": "the whole vocabulary" if params.candidates is None else params.candidates,
         "composition": "per query: RDP (zCDP events) or basic, whichever is smaller; over queries: basic",
         "budget": {"epsilon": cfg.total_epsilon, "delta": cfg.total_delta},
         "not_protected": AGGREGATE_NOT_PROTECTED,

@@ -119,3 +119,19 @@ def test_cuda_gets_the_dp_backend_and_refuses_another(dp_yaml, monkeypatch):
         serve_arguments(["MODEL", "--attention-backend=FLASH_ATTN"], str(dp_yaml))
     monkeypatch.setattr("vllm_dp_plugin.serving.launch._on_cuda", lambda: False)
     assert "--attention-backend" not in serve_arguments(["MODEL"], str(dp_yaml))  # CPU ignores it
+
+
+def test_aggregate_serving_raises_max_logprobs_and_keeps_the_allowlist(tmp_path):
+    from vllm_dp_plugin.serving.launch import logprob_flags
+
+    assert logprob_flags([], None) == ["--max-logprobs", "-1"]  # vote reads the whole public distribution
+    assert logprob_flags([], 64) == ["--max-logprobs", "64"]
+    assert logprob_flags(["--max-logprobs", "-1"], 64) == []
+    with pytest.raises(ConfigError, match="max-logprobs"):
+        logprob_flags(["--max-logprobs=100"], None)
+    config = tmp_path / "dp.yaml"
+    config.write_text(yaml.safe_dump({"dp_privacy": {"aggregate": {"contexts": {"d": "d.jsonl"}}}}))
+    argv = serve_arguments(["model"], str(config))
+    assert argv[argv.index("--max-logprobs") + 1] == "-1" and "--tokenizer-mode" not in argv
+    with pytest.raises(ConfigError, match="speculative-config"):
+        serve_arguments(["model", "--speculative-config", "{}"], str(config))

@@ -38,8 +38,14 @@ class TopLogprobs:
 
     @classmethod
     def of(cls, pairs: dict[int, float]) -> TopLogprobs:
-        order = sorted(pairs.items(), key=lambda kv: -kv[1])
-        return cls(np.array([k for k, _ in order], dtype=np.int64), np.array([v for _, v in order], dtype=np.float64))
+        return cls.sorted(np.array(list(pairs), dtype=np.int64), np.array(list(pairs.values()), dtype=np.float64))
+
+    @classmethod
+    def sorted(cls, ids: np.ndarray, logprobs: np.ndarray) -> TopLogprobs:
+        """From unsorted ``ids: [N]``, ``logprobs: [N]`` (best first after sorting; ties by id)."""
+        ids, logprobs = np.asarray(ids, dtype=np.int64), np.asarray(logprobs, dtype=np.float64)
+        order = np.lexsort((ids, -logprobs))
+        return cls(ids[order], logprobs[order])
 
     @property
     def top(self) -> int:

@@ -804,6 +804,69 @@ def run(bench: Bench, rows: Sequence[str], eps: Sequence[float], log=None,
     return results, budgets, samples
 
 
+# =========================================================================== speed
+SPEED_MEMBERS = (4, 8, 16)
+SPEED_QUESTIONS = 6  # answered one at a time per setting (the first scenarios' questions)
+
+
+def speed(bench: Bench, members: Sequence[int], eps: float, mechanism: str = "vote", log=print) -> list[dict]:
+    """Time per output token, one request at a time (batch of 1): a stock request with the full
+    context as plain prompt (``ignore_eos``, ``bench.max_tokens`` tokens), then an aggregated
+    request (``mechanism`` at ``eps``) for each k in ``members``; then the aggregated throughput
+    with ``bench.concurrency`` requests in flight at the middle k."""
+    layout = bench.layout()
+    jobs = [(s, q) for s in bench.scenarios for q in s["questions"]][:SPEED_QUESTIONS]
+    rows = []
+
+    def timed(server, make, extra, concurrency=1):
+        def one(job):
+            request = make(layout, *job)
+            body = Request(request.prompt, request.expected_prompt_tokens, {**request.extra, **extra})
+            return server.complete(bench.model, body, bench.max_tokens)["usage"]["completion_tokens"]
+
+        start = time.perf_counter()
+        with ThreadPoolExecutor(concurrency) as pool:
+            tokens = sum(pool.map(one, jobs if concurrency == 1 else jobs * 2))
+        return time.perf_counter() - start, tokens
+
+    with RunningServer(stock_server(bench, None, bench.scenarios), bench.work / "speed-stock.log") as server:
+        timed(server, _plain(ChatLayout.full_ids), {"ignore_eos": True})  # warm-up
+        wall, tokens = timed(server, _plain(ChatLayout.full_ids), {"ignore_eos": True})
+    stock = wall / tokens
+    rows.append({"setting": "stock, full context as plain prompt", "members": None, "concurrency": 1,
+                 "s_per_token": stock, "ratio_to_stock": 1.0, "tokens": tokens})
+    log(f"vllm-dp bench context --speed: stock {1000 * stock:.0f} ms/token")
+    middle = sorted(members)[len(members) // 2]
+    for k in members:
+        spec = aggregate_server(mechanism, members=k)(bench, eps, bench.scenarios)
+        with RunningServer(spec, bench.work / f"speed-k{k}.log") as server:
+            timed(server, aggregate_request, {})  # warm-up: the members' prefixes enter the cache
+            wall, tokens = timed(server, aggregate_request, {})
+            rows.append({"setting": f"aggregate_{mechanism}, k = {k}", "members": k, "concurrency": 1,
+                         "s_per_token": wall / tokens, "ratio_to_stock": wall / tokens / stock, "tokens": tokens})
+            log(f"vllm-dp bench context --speed: k={k} {1000 * wall / tokens:.0f} ms/token "
+                f"({wall / tokens / stock:.2f}x stock)")
+            if k == middle:
+                wall, tokens = timed(server, aggregate_request, {}, bench.concurrency)
+                rows.append({"setting": f"aggregate_{mechanism}, k = {k}, {bench.concurrency} in flight",
+                             "members": k, "concurrency": bench.concurrency, "s_per_token": wall / tokens,
+                             "ratio_to_stock": wall / tokens / stock, "tokens": tokens,
+                             "tokens_per_s": tokens / wall})
+    return rows
+
+
+def speed_markdown(data: dict) -> str:
+    lines = [f"# DP aggregation speed ({data['model']}, {data['device']}, {data['date']})", "",
+             (f"`{data['command']}`; eps = {data['eps']:g} per query, mechanism {data['mechanism']}; time per "
+             "output token = wall time of a request / its output tokens (prefill included), requests one at a "
+             f"time unless stated; {SPEED_QUESTIONS} questions per setting after a warm-up pass."), "",
+             "| setting | s / token | x stock | tokens | tokens / s |", "|---|---|---|---|---|"]
+    for r in data["rows"]:
+        tps = f"{r['tokens_per_s']:.1f}" if "tokens_per_s" in r else ""
+        lines.append(f"| {r['setting']} | {r['s_per_token']:.3f} | {r['ratio_to_stock']:.2f} | {r['tokens']} | {tps} |")
+    return "\n".join(lines) + "\n"
+
+
 def describe(r: dict) -> str:
     shared = ", ".join(f"s{k} {v:.2f}" for k, v in r["shared_accuracy"].items())
     eps = "" if r["eps"] is None else f" eps={r['eps']:g}"
@@ -924,6 +987,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "that this run does not measure")
     parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE, help="where the calibration is cached")
     parser.add_argument("--concurrency", type=int, default=8, help="requests in flight")
+    parser.add_argument("--speed", action="store_true",
+                        help="measure time per output token instead: stock (full context as plain prompt) vs "
+                             f"aggregate_vote at k = {', '.join(map(str, SPEED_MEMBERS))} (first --eps), one request "
+                             "at a time, and throughput at --concurrency")
     parser.add_argument("--make-scenarios", type=Path, metavar="OUT",
                         help="write --count generated scenarios (seed --seed) to OUT and exit")
     parser.add_argument("--count", type=int, default=24, help="scenarios to generate (--make-scenarios)")
@@ -991,12 +1058,22 @@ def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
     started = time.perf_counter()
     date = today()
     device = device_label(default_device())  # the device vLLM serves on
+    command = "vllm-dp bench context" + ("" if argv is None else " " + " ".join(argv))
+    if args.speed:
+        data = {"model": model, "device": device, "date": date, "command": command.strip(), "eps": eps[0],
+                "mechanism": "vote", "rows": speed(bench, SPEED_MEMBERS, eps[0]),
+                "platform": platform.platform(), "wall_s": time.perf_counter() - started}
+        stem = args.out / f"context-speed-{device}-{date}"
+        write_json(suffixed(stem, ".json"), data, indent=1)
+        write_text(suffixed(stem, ".md"), speed_markdown(data))
+        print(suffixed(stem, ".md").read_text())
+        shutil.rmtree(work, ignore_errors=True)
+        return 0
     questions = [q for s in every for q in s["questions"]]
     by_support = {}
     for q in questions:
         if q["kind"] == "shared":
             by_support[str(q["support"])] = by_support.get(str(q["support"]), 0) + 1
-    command = "vllm-dp bench context" + ("" if argv is None else " " + " ".join(argv))
     stem = args.out / f"context-{device}-{date}"
 
     kept = kept_rows(suffixed(stem, ".json") if args.append else None, model, _shown(args.scenarios), max_tokens,

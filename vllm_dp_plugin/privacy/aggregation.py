@@ -14,7 +14,8 @@ eps-DP and eps-bounded-range, hence eps^2/8-zCDP (Cesar & Rogers 2021):
   is ``t``; a document moves one member's vote: sensitivity 1 (report-noisy-max with Gumbel
   noise). The logits also get ``log p_pub(t)`` (public): tokens the public model finds
   implausible do not win on noise, and the candidates' noise mass stays below 1 however many
-  there are (their public probabilities sum to at most 1), so ``candidates`` can be large.
+  there are (their public probabilities sum to at most 1), so the candidates can be the whole
+  vocabulary (the default): a voted token the public model would never rank high can still win.
 * ``expmech`` (InvisibleInk, Vinod et al. 2025; Sarus DP-RAG): ``u(t) = log p_pub(t) +`` the
   members' mean of ``clip(log p_i(t) - log p_pub(t), -C, C)``, i.e. the public log-probabilities
   moved towards the members' by at most C nats (the public part is data-independent); a
@@ -103,7 +104,7 @@ class AggregationParams:
     ``max_private_tokens`` private steps, statement at ``delta``. ``clip``: expmech's C;
     ``confidence``: the free public gate (1: off);
     ``threshold``: the SVT threshold, a fraction of the members; ``candidates``: how many of the
-    public sequence's top tokens the mechanism chooses among."""
+    public sequence's top tokens the mechanism chooses among (None: all it lists)."""
 
     mechanism: str
     members: int
@@ -114,14 +115,15 @@ class AggregationParams:
     clip: float = 1.0
     confidence: float = 1.0
     threshold: float = 0.5
-    candidates: int = 20
+    candidates: int | None = None
 
     def __post_init__(self) -> None:
         if self.mechanism not in AGGREGATION_MECHANISMS:
             raise ValueError(f"mechanism must be one of {AGGREGATION_MECHANISMS}, got {self.mechanism!r}")
         check_count(self.members, "members")
         check_count(self.max_private_tokens, "max_private_tokens")
-        check_count(self.candidates, "candidates")
+        if self.candidates is not None:
+            check_count(self.candidates, "candidates")
         check_epsilon(self.eps_select, "eps_select")
         if self.eps_gate != 0:
             check_epsilon(self.eps_gate, "eps_gate")

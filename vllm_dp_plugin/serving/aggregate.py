@@ -4,7 +4,8 @@ The API server answers ``/v1/chat/completions`` and ``/v1/completions`` itself f
 collections: each request is ``k`` member sequences (member i: its documents as the system turn,
 then the conversation) and one public sequence (the conversation alone), decoded in lockstep as
 one-token sub-requests to the engine (the pattern of vLLM's own beam search): each step asks the
-engine for every sequence's top-``candidates`` log-probabilities at once (one batch; the prefix
+engine for every sequence's next-token log-probabilities at once (the public sequence's whole
+distribution for ``vote``; the members' greedy tokens) (one batch; the prefix
 cache keeps each member's documents prefilled across steps and requests), then
 ``aggregate.Aggregator`` chooses the token. Why not an in-engine logits processor: vLLM's v1
 logits processors see one batch row per request and no guarantee that all ``k + 1`` rows of a
@@ -21,9 +22,8 @@ budget when it does not fit) and settles what it spent when it ends (the worst c
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
-import logging
+import os
 import time
 import uuid
 from dataclasses import dataclass
@@ -40,8 +40,6 @@ from ..privacy.aggregation import UNIT
 from ..privacy.keyed_noise import NoiseKey
 from ..privacy.query_ledger import BudgetExhausted, QueryLedger
 from ..reports import QUERY_LEDGER_NAME, aggregate_statement
-
-logger = logging.getLogger("vllm.dp_privacy")
 
 ROUTES = ("/v1/completions", "/v1/chat/completions")
 OPTION_EPSILON = "dp_epsilon"
@@ -100,15 +98,15 @@ def load_collections(cfg: AggregatePrivacyConfig, tokenizer, key: NoiseKey) -> t
 
 class EngineSource:
     """``decode.Source`` over a vLLM engine client: one-token sub-requests; the first prompt
-    (the public sequence) returns its top ``public_top`` log-probabilities, the members
-    their top ``member_top``."""
+    (the public sequence) returns its top ``public_top`` log-probabilities (-1: all), the
+    members their top ``member_top``."""
 
     def __init__(self, engine_client, public_top: int, member_top: int):
         from vllm import SamplingParams
 
         self.engine = engine_client
-        self.params = [SamplingParams(max_tokens=1, temperature=0.0, logprobs=n, detokenize=False)
-                       for n in (public_top, member_top)]
+        self.params = [SamplingParams(max_tokens=1, temperature=0.0, logprobs=n, detokenize=False,
+                                      flat_logprobs=True) for n in (public_top, member_top)]
 
     async def __call__(self, prompts: list[list[int]]) -> list[TopLogprobs]:
         from vllm.inputs.engine import tokens_input
@@ -120,7 +118,9 @@ class EngineSource:
             params = self.params[min(i, 1)]
             async for out in self.engine.generate(tokens_input(ids), params, f"dpagg-{batch}-{i}"):
                 final = out
-            return TopLogprobs.of({t: lp.logprob for t, lp in final.outputs[0].logprobs[0].items()})
+            flat = final.outputs[0].logprobs  # FlatLogprobs: position 0's entries
+            start, end = flat.start_indices[0], flat.end_indices[0]
+            return TopLogprobs.sorted(np.asarray(flat.token_ids[start:end]), np.asarray(flat.logprobs[start:end]))
 
         return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
 
@@ -141,7 +141,8 @@ class AggregateService:
         self.ledger = QueryLedger(key, cfg.budget_file or key.path.parent / QUERY_LEDGER_NAME)
         self.total = Budget(cfg.total_epsilon, cfg.total_delta)
         self.stop_ids = stop_ids
-        self.source = EngineSource(engine_client, cfg.candidates, 1 if cfg.mechanism == "vote" else cfg.candidates)
+        choices = -1 if cfg.choices is None else cfg.choices
+        self.source = EngineSource(engine_client, choices, 1 if cfg.mechanism == "vote" else choices)
 
     def statement(self) -> dict:
         """``/v1/dp/budget``'s statement (the same as ``vllm-dp account``), spending included."""
@@ -248,8 +249,7 @@ class _Query:
         self.created = int(time.time())
         self.tokens: list[int] = []
         self.finish = "length"
-        self.aggregator = Aggregator(params, np.random.default_rng(np.random.SeedSequence(
-            int.from_bytes(hashlib.sha256(uuid.uuid4().bytes + np.random.bytes(16)).digest(), "big"))))
+        self.aggregator = Aggregator(params, np.random.default_rng(int.from_bytes(os.urandom(32), "big")))
 
     async def steps(self):
         """Yield each new piece of text; settles the ledger when done (worst case on failure)."""

@@ -135,7 +135,7 @@ def serve_arguments(argv: list[str], dp_config: str | None) -> list[str]:
     context = typed is not None and typed.serves_context
     if parsed.aggregate is not None:  # the engine holds the documents' rows: the same option allowlist
         check_context_options(argv)
-        flags += logprob_flags(argv, parsed.aggregate.candidates)
+        flags += logprob_flags(argv, parsed.aggregate.choices)
     if context:
         check_context_options(argv)
         os.environ.setdefault(RUNNER_ENV, "0")  # V1: the runner that says which context a request reads
@@ -154,14 +154,16 @@ def serve_arguments(argv: list[str], dp_config: str | None) -> list[str]:
     return [*argv, *flags]
 
 
-def logprob_flags(argv: list[str], candidates: int) -> list[str]:
-    """``--max-logprobs`` for DP aggregation, which asks the engine for ``candidates`` top
-    log-probabilities of every sequence (vLLM's default allows 20)."""
+def logprob_flags(argv: list[str], candidates: int | None) -> list[str]:
+    """``--max-logprobs`` for DP aggregation, which asks the engine for the public sequence's
+    ``candidates`` top log-probabilities (None: all of them, ``-1``; vLLM's default allows 20)."""
     given = [a.split("=", 1)[1] for a in argv if a.startswith("--max-logprobs=")]
     given += [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--max-logprobs"]
-    if any(int(g) < candidates for g in given):
-        raise ConfigError(f"--max-logprobs must be >= aggregate.candidates={candidates}, got {given}")
-    return [] if given else ["--max-logprobs", str(max(20, candidates))]
+    need = -1 if candidates is None else max(20, candidates)
+    if any(int(g) != -1 and (need == -1 or int(g) < need) for g in given):
+        raise ConfigError(f"--max-logprobs must be {'-1' if need == -1 else f'>= {need}'} for aggregate.candidates="
+                          f"{candidates}, got {given}")
+    return [] if given else ["--max-logprobs", str(need)]
 
 
 def _calibrate_if_missing(argv: list[str], att: dict) -> None:
