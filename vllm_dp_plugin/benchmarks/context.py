@@ -17,7 +17,12 @@ Rows (``ROWS``, one entry per way of serving; a new mechanism is one more entry)
 * ``full``: the documents in plain text before the user turn (stock vLLM, exact attention);
 * ``dp_state`` / ``dp_tree``: the documents as the private context (``vllm-dp serve``, DP
   attention, mode ``state`` / ``tree``), at each eps of ``--eps`` plus eps = 1e7 (the kernel
-  error alone; accounted with ``basic`` composition, which PLD refuses beyond eps = 100).
+  error alone; accounted with ``basic`` composition, which PLD refuses beyond eps = 100);
+* ``aggregate_vote`` / ``aggregate_expmech``: DP aggregation at the output (``dp_privacy.aggregate``
+  with the recommended settings), each scenario's documents one collection, eps per query; the
+  request is the user turn alone (the public sequence; members get their documents before it).
+
+``--speed`` measures time per output token instead (``speed``).
 
 Every row sees the same token sequence: ``C`` = the chat template's system turn holding the
 documents (one per line), then the user turn with the generation prompt; ``none`` drops ``C``.
@@ -887,7 +892,9 @@ def markdown(data: dict) -> str:
              "is correct when one of its answers occurs in the completion (case-insensitive). "
              "`none`: no context; `full`: the documents as plain text (exact attention); `dp_*`: the "
              "documents as the private context (DP attention), eps for the whole model per context, "
-             f"delta = {DELTA:g}; eps = 1e7 leaves the kernel error alone. Seconds per answer: wall "
+             f"delta = {DELTA:g}; eps = 1e7 leaves the kernel error alone; `aggregate_*`: DP aggregation "
+             "at the output over the documents as a collection (unit: one document), eps per query. "
+             "Seconds per answer: wall "
              f"time of the row's requests ({data['concurrency']} in flight) / questions, server start "
              "excluded."), "",
              "| row | eps | " + " | ".join(f"shared, support {s}" for s in supports)
@@ -903,6 +910,11 @@ def markdown(data: dict) -> str:
                   "| row | eps | context tokens | spent eps | guaranteed kernel error per layer | logit bound T (max) |",
                   "|---|---|---|---|---|---|"]
         for b in data["budgets"]:
+            if b.get("mode") == "aggregate":
+                per = b["per_query"]["worst_case"]
+                lines.append(f"| {b['row']} | {b['eps']:g} | (per query, unit one document) | {per['epsilon']:g} "
+                             f"| - | - |")
+                continue
             kernel = b.get("kernel_error") or []
             logit = b.get("logit_bound") or []
             spent = (b.get("spent") or {}).get("epsilon")
