@@ -673,26 +673,24 @@ class Bench:
 
     def context_files(self, scenarios: Sequence[dict]) -> dict[str, str]:
         """One context file per scenario (its ``C``), named by the scenario id."""
-        folder = self.work / "contexts"
-        folder.mkdir(exist_ok=True)
-        files = {}
-        for s in scenarios:
-            path = folder / f"{s['id']}.txt"
-            if not path.exists():
-                path.write_text(self.layout().context_text(s["documents"]), encoding="utf-8")
-            files[s["id"]] = str(path)
-        return files
+        return self._scenario_files(scenarios, "contexts", ".txt",
+                                    lambda s: self.layout().context_text(s["documents"]))
 
     def collection_files(self, scenarios: Sequence[dict]) -> dict[str, str]:
         """One document collection per scenario (JSONL, one document a line), named by its id."""
-        folder = self.work / "collections"
-        folder.mkdir(exist_ok=True)
+        return self._scenario_files(scenarios, "collections", ".jsonl", lambda s: "".join(
+            json.dumps({"id": str(i), "text": d}) + "\n" for i, d in enumerate(s["documents"])))
+
+    def _scenario_files(self, scenarios: Sequence[dict], folder: str, suffix: str,
+                        render: Callable[[dict], str]) -> dict[str, str]:
+        """scenario id -> ``work/folder/<id><suffix>`` holding ``render(scenario)`` (written once)."""
+        where = self.work / folder
+        where.mkdir(exist_ok=True)
         files = {}
         for s in scenarios:
-            path = folder / f"{s['id']}.jsonl"
+            path = where / f"{s['id']}{suffix}"
             if not path.exists():
-                path.write_text("".join(json.dumps({"id": str(i), "text": d}) + "\n"
-                                        for i, d in enumerate(s["documents"])), encoding="utf-8")
+                path.write_text(render(s), encoding="utf-8")
             files[s["id"]] = str(path)
         return files
 

@@ -248,6 +248,7 @@ class _Query:
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.tokens: list[int] = []
+        self.text = ""  # the decoded tokens (decoded once a step)
         self.finish = "length"
         self.aggregator = Aggregator(params, np.random.default_rng(int.from_bytes(os.urandom(32), "big")))
 
@@ -260,15 +261,13 @@ class _Query:
                 if step.token in self.service.stop_ids:
                     self.finish = "stop"
                     break
-                before = self._text()
+                shown = self.text
                 self.tokens.append(step.token)
-                yield self._text()[len(before):]
+                self.text = self.service.tokenizer.decode(self.tokens, skip_special_tokens=True)
+                yield self.text[len(shown):]
             settled = self.aggregator.spent()
         finally:
             self.status = self.service.ledger.settle(self.reservation, settled)
-
-    def _text(self) -> str:
-        return self.service.tokenizer.decode(self.tokens, skip_special_tokens=True)
 
     def receipt(self) -> dict:
         spent = self.aggregator.spent()
@@ -284,7 +283,7 @@ class _Query:
     async def respond(self) -> JSONResponse:
         async for _ in self.steps():
             pass
-        text = self._text()
+        text = self.text
         choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": self.finish}
                   if self.chat else {"index": 0, "text": text, "logprobs": None, "finish_reason": self.finish})
         receipt = self.receipt()
