@@ -257,3 +257,22 @@ def test_aggregate_paths_resolve_relative_to_the_file(tmp_path):
     raw = section_from_file(tmp_path / "dp.yaml")
     assert raw["aggregate"]["contexts"] == {"docs": str(tmp_path / "docs.jsonl")}
     assert raw["aggregate"]["budget_file"] == str(tmp_path / "q.jsonl")
+
+
+@pytest.mark.parametrize("value", ["first", -1, 1.5, True])
+def test_public_head_must_be_auto_or_a_count(value):
+    with pytest.raises(ConfigError, match="attention.public_head"):
+        DPPrivacyConfig.from_dict({"attention": {"epsilon": 1.0, "delta": 1e-6, "public_head": value}})
+
+
+@pytest.mark.parametrize("value", [0, -0.5, True, float("inf"), "on"])
+def test_gate_must_be_a_positive_error_or_false(value):
+    with pytest.raises(ConfigError, match="attention.gate"):
+        DPPrivacyConfig.from_dict({"attention": {"epsilon": 1.0, "delta": 1e-6, "gate": value}})
+
+
+def test_public_head_and_gate_defaults():
+    att = DPPrivacyConfig.from_dict({"attention": {"epsilon": 1.0, "delta": 1e-6}}).attention
+    assert (att.public_head, att.gate) == ("auto", 0.5)
+    off = DPPrivacyConfig.from_dict({"attention": {"epsilon": 1.0, "delta": 1e-6, "gate": False, "public_head": 0}})
+    assert (off.attention.public_head, off.attention.gate) == (0, False)

@@ -14,7 +14,7 @@ BOUNDS = {"key_bound": 0.5, "query_bound": 0.5, "value_bound": 1.0, "key_norm": 
 
 
 def _plan(layers=3, kv_heads=2, head_dim=8, **attention):
-    cfg = DPPrivacyConfig.from_dict({"attention": {"epsilon": 4.0, "delta": 1e-6, **attention}}).attention
+    cfg = DPPrivacyConfig.from_dict({"attention": {"epsilon": 4.0, "delta": 1e-6, "gate": False, **attention}}).attention
     return ContextPlan(cfg, "self_attention", layers, kv_heads, 2 * kv_heads, head_dim, head_dim**-0.5, 50)
 
 
@@ -131,3 +131,55 @@ def test_aggregate_report_states_the_calibrated_query_and_the_ledger(tmp_path):
     assert report["ledger"]["spent"]["epsilon"] == pytest.approx(1.5) and report["ledger"]["queries"] == 1
     text = aggregate_text(report)
     assert "one document" in text and "spent so far: (eps=1.5" in text
+
+
+# ----------------------------------------------------------------------------- the public gate
+def test_relative_error_bound_is_kernel_error_plus_noise_over_the_smallest_denominator():
+    plan = _plan(bounds=BOUNDS)
+    layer = plan.layer(0, plan._one_head)._dp
+    sigma = math.sqrt(plan.mechanisms[0].variance)
+    t = layer.logit_bound
+    norm = layer.features.norm_bound(layer.mapping.query_bounds(8))
+    direct = plan.kernel_error(0) + sigma * norm / (50 * math.exp(-t))
+    assert plan.relative_errors[0] == pytest.approx(direct, rel=1e-12)
+
+
+def test_the_gate_opens_exactly_the_layers_whose_public_bound_meets_it_and_spends_only_for_them():
+    errors = _plan(bounds=BOUNDS).relative_errors  # the same for every layer here (same bounds)
+    shut = _plan(bounds=BOUNDS, gate=errors[0] * 0.99)
+    assert shut.open_layers == (False,) * 3 and shut.spent().epsilon == 0
+    report = shut.report()
+    assert report["releases"] == 0 and report["regime"].startswith("out of regime")
+    assert "nothing is spent" in report["regime"]
+    opened = _plan(bounds=BOUNDS, gate=errors[0] * 1.01)
+    assert opened.open_layers == (True,) * 3
+    assert opened.spent().epsilon == pytest.approx(_plan(bounds=BOUNDS).spent().epsilon)
+    assert opened.report()["regime"].startswith("in regime")
+    assert _plan(bounds=BOUNDS).report()["regime"].startswith("gate off")
+
+
+def test_a_closed_layer_never_holds_exact_rows_nor_answers():
+    plan = _plan(bounds=BOUNDS, gate=1e-12)
+    layer = plan.layer(0, plan._one_head)
+    assert not layer.open
+    layer.collect(torch.arange(50), torch.ones(50, 1, 8), torch.ones(50, 1, 8))
+    assert layer._k.numel() == 0 and not layer.complete
+    with pytest.raises(RuntimeError, match="not released"):
+        layer.answer(torch.ones(3, 2, 8))
+
+
+def test_the_gate_reads_public_quantities_only():
+    """Two plans from the same configuration and shape gate alike whatever the context's
+    contents: the plan never sees a token or a K/V row (its inputs are config, shape, n)."""
+    import inspect
+
+    params = set(inspect.signature(ContextPlan).parameters)
+    assert params == {"cfg", "kind", "layers", "total_kv_heads", "total_query_heads", "head_dim", "beta",
+                      "context_len", "public_head"}
+
+
+def test_cross_attention_is_never_gated():
+    cfg = DPPrivacyConfig.from_dict({"attention": {"epsilon": 4.0, "delta": 1e-6, "bounds": BOUNDS,
+                                                   "gate": 1e-12}}).attention
+    plan = ContextPlan(cfg, "cross_attention", 2, 2, 4, 8, 8**-0.5, 50)
+    assert plan.open_layers == (True, True) and plan.regime().startswith("no gate")

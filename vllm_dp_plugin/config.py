@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,6 +67,22 @@ class AttentionPrivacyConfig:
     ``allow_rerelease``: serve a private context the release ledger has seen released under other
     noise (another key, weights or parameters): the budget is spent again and the report composes
     every release. Off: such a start is refused.
+    ``public_head``: how many leading tokens of each private context are public, exact and never
+    released (real models put much of their attention on their first tokens: attention sinks).
+    ``auto`` (default): the tokenizer's BOS and the chat template's system header
+    (``<|im_start|>system\\n``) when the context starts with them, else none; an integer N: the
+    first N tokens (the operator declares them public; 0: every token private, the paper's setting).
+    ``gate``: a (layer, KV head) release is made and read only where its public relative error
+    bound (kernel error + noise std over the smallest true denominator, ``ContextPlan.relative_error``)
+    is at most this; elsewhere that head answers from the public rows alone and spends nothing.
+    ``false``: every head released and read, whatever its error (paper-literal).
+    ``unit``: ``row`` (the guarantee covers one K/V row of one layer; the context is prefilled
+    causally, so one document moves every later row) or ``document``: each context file is a
+    ``.jsonl`` of documents, laid out by the server as the chat template's system turn with one
+    slot of ``document_tokens`` tokens per document (padded with newlines; longer documents are
+    refused), and each document is encoded independently (its rows attend to the public head and
+    to itself only), so one document moves only its own rows: the statement is then also given
+    per document (group privacy over its ``document_tokens`` rows, composed over the releases).
     """
 
     epsilon: float
@@ -87,9 +104,26 @@ class AttentionPrivacyConfig:
     num_kv_heads: int | None = None
     releases_per_head: int = 1
     allow_rerelease: bool = False
+    public_head: str | int = "auto"
+    gate: float | bool = 0.5
+    unit: str = "row"
+    document_tokens: int = 64
 
     def __post_init__(self) -> None:
         _check_field(self, "epsilon", check_epsilon, "attention.epsilon")
+        if self.public_head != "auto" and (
+            isinstance(self.public_head, bool) or not isinstance(self.public_head, int) or self.public_head < 0
+        ):
+            raise ConfigError(f"attention.public_head must be auto or an integer >= 0, got {self.public_head!r}")
+        if self.gate is True or (self.gate is not False and not (
+            isinstance(self.gate, (int, float)) and math.isfinite(self.gate) and self.gate > 0
+        )):
+            raise ConfigError(f"attention.gate must be a positive relative error or false, got {self.gate!r}")
+        _choice(self.unit, ("row", "document"), "attention.unit")
+        _check(check_count, self.document_tokens, "attention.document_tokens")
+        if self.unit == "document" and self.public_head != "auto":
+            raise ConfigError("attention.public_head: unit document lays the context out itself (its public head is "
+                              "the chat template's system header); leave public_head at auto")
         _check_field(self, "delta", check_delta, "attention.delta")
         _choice(self.mode, SERVED_MODES, "attention.mode")
         _choice(self.mechanism, STATE_MECHANISMS, "attention.mechanism")
@@ -147,6 +181,11 @@ class AttentionPrivacyConfig:
         for name in found:
             _check_context_name(name)
         return found
+
+    @property
+    def document_tokens_or_none(self) -> int | None:
+        """``document_tokens`` under unit document, None under unit row."""
+        return self.document_tokens if self.unit == "document" else None
 
     def context_key(self, name: str | None = None) -> str:
         """The configuration key of the private contexts, or of context ``name`` (what errors name)."""

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .attention.accounting import composed_spend, head_budget
+from .attention.accounting import composed_spend, group_mechanism, head_budget
 from .attention.calibration_file import Calibration, CalibrationError
 from .attention.features import taylor_degree, taylor_kernel_error
 from .attention.mapping import HeadMapping
@@ -43,6 +43,10 @@ from .privacy.query_ledger import BudgetStatus
 MAX_DEGREE = 64
 MAX_PLANS = 64  # ContextPlan.of's cache (serving: one per context, kind and softmax scale)
 UNIT = "one private K/V row of one attention layer (replace-one neighbours)"
+DOCUMENT_UNIT = ("one document of at most {rows} tokens (replace-one: a document swapped for another in its slot; "
+                 "documents encoded independently, so it moves its own {rows} rows of each layer only)")
+NO_DOCUMENT_STATEMENT = ("none under unit row: the context is prefilled causally, so one document moves every later "
+                         "row of every layer (set unit: document for a per-document guarantee)")
 ENCODER_CONTEXT = "each request's encoder output (one release per request)"
 ENCODER_POSITIONS = 1500  # Whisper's max_source_positions, when a config does not say
 # The config fields that are DPAttentionParams fields (same name, same default, same meaning).
@@ -203,6 +207,7 @@ class ContextPlan:
     head_dim: int
     beta: float
     context_len: int
+    public_head: int = 0
 
     def __post_init__(self) -> None:
         for key, given, served in (("num_layers", self.cfg.num_layers, self.layers),
@@ -220,16 +225,16 @@ class ContextPlan:
 
     @staticmethod
     def of(cfg: AttentionPrivacyConfig, shape: ModelShape, kind: str, context_len: int,
-           scale: float | None = None) -> ContextPlan:
-        """The plan of a context of ``context_len`` rows for ``shape``'s ``kind`` layers;
-        ``scale``: the served layer's softmax scale (default: the model's). One object per
-        process and distinct arguments: its per-layer releases are planned once."""
+           scale: float | None = None, public_head: int = 0) -> ContextPlan:
+        """The plan of a private span of ``context_len`` rows for ``shape``'s ``kind`` layers,
+        after ``public_head`` public tokens; ``scale``: the served layer's softmax scale (default:
+        the model's). One object per process and distinct arguments: planned once."""
         scale = shape.scale if scale is None else scale
-        key = (json.dumps(dataclasses.asdict(cfg)), shape, kind, context_len, scale)
+        key = (json.dumps(dataclasses.asdict(cfg)), shape, kind, context_len, scale, public_head)
         plan = _PLANS.get(key)
         if plan is None:
             plan = ContextPlan(cfg, kind, shape.layers(kind), shape.total_kv_heads,
-                               shape.total_query_heads, shape.head_dim, scale, context_len)
+                               shape.total_query_heads, shape.head_dim, scale, context_len, public_head)
             _PLANS.put(key, plan)
         return plan
 
@@ -269,7 +274,11 @@ class ContextPlan:
         return layer_mapping(self.cfg, self.kind, index, self.beta).logit_bound(self.head_dim)
 
     def layer(self, index: int, heads: HeadLayout) -> PrivateContextLayer:
-        """The collector/release of layer ``index`` for the heads this process holds."""
+        """The collector/release of layer ``index`` for the heads this process holds (closed
+        where the gate closes it: ``open_layers``)."""
+        return self._layer(index, heads, self.open_layers[index])
+
+    def _layer(self, index: int, heads: HeadLayout, open: bool = True) -> PrivateContextLayer:
         if not 0 <= index < self.layers:
             raise ValueError(f"layer {index} outside [0, {self.layers})")
         return PrivateContextLayer(
@@ -280,37 +289,87 @@ class ContextPlan:
             self.head_dim,
             self.context_len,
             self.budget_heads,
+            open,
         )
+
+    @functools.cached_property
+    def _one_head(self) -> HeadLayout:
+        return HeadLayout(1, self.total_query_heads // self.total_kv_heads, 0, self.total_kv_heads)
 
     @functools.cached_property
     def mechanisms(self) -> tuple[Mechanism, ...]:
         """Each layer's per-(KV head) release (public: bounds, parameters, context length)."""
-        heads = HeadLayout(1, self.total_query_heads // self.total_kv_heads, 0, self.total_kv_heads)
-        return tuple(self.layer(i, heads).planned_mechanism() for i in range(self.layers))
+        return tuple(self._layer(i, self._one_head).planned_mechanism() for i in range(self.layers))
+
+    @functools.cached_property
+    def relative_errors(self) -> tuple[float, ...]:
+        """Each layer's public bound on a DP denominator's relative error (kernel error + noise
+        over the smallest true denominator, ``DPCrossAttention.relative_error_bound``); the
+        bounds are per layer, so every KV head of a layer shares its value."""
+        return tuple(self._layer(i, self._one_head).relative_error_bound() for i in range(self.layers))
+
+    @functools.cached_property
+    def open_layers(self) -> tuple[bool, ...]:
+        """The public gate: layer ``i``'s KV heads are released and read iff ``relative_errors[i]``
+        <= ``gate`` (all of them with ``gate: false``). Closed heads answer from the public rows;
+        cross-attention has none to fall back on (Whisper: all of its keys are private), so its
+        layers are always open."""
+        if self.cfg.gate is False or self.kind == "cross_attention":
+            return (True,) * self.layers
+        return tuple(e <= self.cfg.gate for e in self.relative_errors)
 
     def spent(self, releases_per_head: int = 1) -> Budget:
-        """What ``releases_per_head`` releases of this context spend: every layer's per-head
-        release, ``total_kv_heads x releases_per_head`` times, composed with ``composition``.
-        One (the default) is what one deployment's release spends (the release ledger's entry)."""
+        """What ``releases_per_head`` releases of this context spend: every open layer's per-head
+        release, ``total_kv_heads x releases_per_head`` times, composed with ``composition``
+        (nothing when the gate closed every layer). One (the default) is what one deployment's
+        release spends (the release ledger's entry). The noise is calibrated for every head, so
+        a closed head only lowers what is spent."""
         count = self.total_kv_heads * releases_per_head
-        return composed_spend([(m, count) for m in self.mechanisms], self.params.composition)
+        released = [(m, count) for m, is_open in zip(self.mechanisms, self.open_layers, strict=True) if is_open]
+        return composed_spend(released, self.params.composition) if released else Budget(0.0, 0.0)
+
+    def document_spent(self) -> Budget:
+        """Unit document: what one release of the context spends per document, every open
+        (layer, KV head) release stated for the document's ``document_tokens`` rows
+        (``group_mechanism``) and composed with ``composition``; eps = inf when group privacy
+        gives no guarantee."""
+        group = [(group_mechanism(m, self.cfg.document_tokens), self.total_kv_heads)
+                 for m, is_open in zip(self.mechanisms, self.open_layers, strict=True) if is_open]
+        if not group:
+            return Budget(0.0, 0.0)
+        if any(math.isinf(m.epsilon) for m, _ in group):
+            return Budget(math.inf, 1.0)
+        return composed_spend(group, self.params.composition)
+
+    def per_document(self) -> dict[str, Any] | str:
+        """The per-document statement (unit document), or why there is none (unit row)."""
+        if self.cfg.unit != "document":
+            return NO_DOCUMENT_STATEMENT
+        spent = self.document_spent()
+        return {"unit": DOCUMENT_UNIT.format(rows=self.cfg.document_tokens), "rows": self.cfg.document_tokens,
+                "documents": self.context_len // self.cfg.document_tokens,
+                "spent": {"epsilon": spent.epsilon, "delta": spent.delta}}
 
     def report(self) -> dict[str, Any]:
         """JSON-ready privacy statement of one private context (the guarantee and its unit):
         ``per_release`` states every (layer, KV head) release (the largest over layers),
-        ``spent`` what one release of the context spends (``releases`` of them), ``planned``
-        what ``releases_per_head`` releases of it spend (within ``budget``)."""
+        ``spent`` what one release of the context spends (``releases`` of them: the open
+        layers' KV heads), ``planned`` what ``releases_per_head`` releases of it spend (within
+        ``budget``); ``gate``/``regime`` say which heads carry private information."""
         mechanisms, per_head = self.mechanisms, self.cfg.releases_per_head
         spent = self.spent()
         planned = spent if per_head == 1 else self.spent(per_head)
+        open_layers = sum(self.open_layers)
         return {
             "mode": self.cfg.mode,
             "kind": self.kind,
             "unit": UNIT,
-            "context_tokens": self.context_len,
+            "context_tokens": self.public_head + self.context_len,
+            "public_head_tokens": self.public_head,
+            "private_rows": self.context_len,
             "layers": self.layers,
             "kv_heads": self.total_kv_heads,
-            "releases": self.layers * self.total_kv_heads,
+            "releases": open_layers * self.total_kv_heads,
             "releases_per_head": per_head,
             "composition": self.params.composition,
             "per_release": {
@@ -319,13 +378,40 @@ class ContextPlan:
                 "mechanism": ", ".join(dict.fromkeys(m.name for m in mechanisms)),
             },
             "spent": {"epsilon": spent.epsilon, "delta": spent.delta},
-            "planned": {"releases": self.budget_heads, "epsilon": planned.epsilon, "delta": planned.delta},
+            "per_document": self.per_document(),
+            "planned": {"releases": open_layers * self.total_kv_heads * per_head,
+                        "epsilon": planned.epsilon, "delta": planned.delta},
             "noise_std": [math.sqrt(m.variance) for m in mechanisms],
             "logit_bound": [self.logit_bound(i) for i in range(self.layers)],
             "taylor_degree": [self.layer_params(i).degree for i in range(self.layers)],
             "kernel_error": [_finite(self.kernel_error(i)) for i in range(self.layers)],
+            "gate": {"threshold": self.cfg.gate or None, "relative_error": [_finite(e) for e in self.relative_errors],
+                     "open_layers": [i for i, o in enumerate(self.open_layers) if o]},
+            "regime": self.regime(),
             "budget": {"epsilon": self.cfg.epsilon, "delta": self.cfg.delta},
         }
+
+    def regime(self) -> str:
+        """What the gate decided, in words (the start-up log and ``/v1/dp/budget`` say it)."""
+        errors = self.relative_errors
+        span = f"{min(errors):.3g} to {max(errors):.3g}"
+        opened, heads = sum(self.open_layers), self.layers * self.total_kv_heads
+        if self.kind == "cross_attention":
+            return (f"no gate: cross-attention has no public keys to fall back on, so all {heads} (layer, KV "
+                    f"head) releases are read (public relative error bounds {span})")
+        if self.cfg.gate is False:
+            return (f"gate off: all {heads} (layer, KV head) releases are read whatever their error (public "
+                    f"relative error bounds {span}); answers may be worse than without the context")
+        if opened == 0:
+            return (f"out of regime: no (layer, KV head) release can carry private information at these "
+                    f"settings (public relative error bounds {span} > gate {self.cfg.gate:g}), so none is "
+                    "made and nothing is spent; answers are those of the model without the private context "
+                    "(its public head and the request only)")
+        if opened == self.layers:
+            return f"in regime: all {heads} (layer, KV head) releases carry private information (error bounds {span})"
+        return (f"partly in regime: {opened * self.total_kv_heads} of {heads} (layer, KV head) releases carry "
+                f"private information (layers {[i for i, o in enumerate(self.open_layers) if o]}); the others "
+                f"answer from the public rows alone (error bounds {span}, gate {self.cfg.gate:g})")
 
 
 _PLANS: LRU[tuple, ContextPlan] = LRU(MAX_PLANS)
@@ -347,15 +433,18 @@ def check_model(cfg: AttentionPrivacyConfig, shape: ModelShape) -> None:
         )
 
 
-def context_reports(cfg: AttentionPrivacyConfig, shape: ModelShape, lengths: Mapping[str, int]) -> list[dict]:
+def context_reports(cfg: AttentionPrivacyConfig, shape: ModelShape,
+                    lengths: Mapping[str, tuple[int, int]]) -> list[dict]:
     """The statement (``ContextPlan.report``) of every private context a model serves, in order:
-    decoder-only models one per named context (``lengths``: name -> tokens), encoder-decoder
+    decoder-only models one per named context (``lengths``: name -> (public head tokens, private
+    rows)), encoder-decoder
     models one for each request's encoder output. Pure: config, shape and lengths only."""
     check_model(cfg, shape)
     if shape.is_encoder_decoder:
         report = ContextPlan.of(cfg, shape, "cross_attention", shape.encoder_positions).report()
         return [{**report, "context": ENCODER_CONTEXT}]
-    return [{"name": name, **ContextPlan.of(cfg, shape, "self_attention", n).report()} for name, n in lengths.items()]
+    return [{"name": name, **ContextPlan.of(cfg, shape, "self_attention", rows, public_head=head).report()}
+            for name, (head, rows) in lengths.items()]
 
 
 # --------------------------------------------------------------------------- DP aggregation

@@ -68,15 +68,19 @@ AGGREGATE_SCOPE = ("per collection: each collection has its own total budget, sp
 QUERY_LEDGER_NAME = "queries.jsonl"
 
 
-def context_lengths(config: DPPrivacyConfig, shape, model: str) -> dict[str, int]:
-    """Tokens of each configured private context under ``model``'s tokenizer (decoder-only)."""
+def context_lengths(config: DPPrivacyConfig, shape, model: str) -> dict[str, tuple[int, int]]:
+    """(public head tokens, private rows) of each configured private context under ``model``'s
+    tokenizer (decoder-only)."""
     from .serving.context import context_tokens
 
     att = config.attention
     if shape.is_encoder_decoder or not att.serves_context:
         return {}  # the plan refuses what does not fit the model (``plan.check_model``)
-    return {name: len(context_tokens(path, str(model), att.context_key(name))[0])
-            for name, path in att.context_files().items()}
+    spans = {}
+    for name, path in att.context_files().items():
+        tokens = context_tokens(path, str(model), att.context_key(name), att.public_head, att.document_tokens_or_none)
+        spans[name] = (tokens.head, (tokens.end or len(tokens.ids)) - tokens.head)
+    return spans
 
 
 def budget_report(config: DPPrivacyConfig, statement: dict) -> str:
@@ -131,17 +135,24 @@ def attention_report(report: dict) -> str:
     per, spent, planned = report["per_release"], report["spent"], report["planned"]
     return "\n".join(
         [
-            f"DP attention over {where} ({report['context_tokens']} rows; {report['kind']}, mode {report['mode']})",
+            f"DP attention over {where} ({report['context_tokens']} tokens; {report['kind']}, mode {report['mode']})",
+            f"  regime: {report['regime']}",
             f"  unit of privacy: {report['unit']}",
-            (f"  releases: {report['layers']} layers x {report['kv_heads']} KV heads = {report['releases']} per "
-             f"release of the context; the budget covers {report['releases_per_head']} release(s) of each"),
+            (f"  public head: the first {report['public_head_tokens']} tokens (exact, never released); private "
+             f"span: {report['private_rows']} rows"),
+            (f"  releases: {report['releases']} of {report['layers']} layers x {report['kv_heads']} KV heads per "
+             f"release of the context (the gate's open layers); the budget covers "
+             f"{report['releases_per_head']} release(s) of each"),
             f"  per (layer, KV head) release: {per['mechanism']}: {_budget(per)}-DP",
             f"  noise std per layer: {_numbers(report['noise_std'])}",
             f"  spent by one release of the context ({report['composition']} composition): {_budget(spent)}",
+            f"  per document: {_per_document(report['per_document'])}",
             f"  planned ({planned['releases']} releases): {_budget(planned)} of the budget {_budget(report['budget'])}",
             f"  logit bound per layer: {_numbers(report['logit_bound'])}",
             f"  Taylor degree per layer: {_numbers(report['taylor_degree'])}",
             f"  kernel error per layer: {_numbers(report['kernel_error'])}",
+            (f"  gate: relative error bound per layer (kernel + noise; open at <= "
+             f"{report['gate']['threshold'] or 'off'}): {_numbers(report['gate']['relative_error'])}"),
         ]
     )
 
@@ -166,6 +177,13 @@ def aggregate_text(report: dict) -> str:
         lines.append(f"  spent so far: {_budget(led['spent'])} by {led['queries']} queries; remaining "
                      f"{_budget(led['remaining'])}")
     return "\n".join(lines)
+
+
+def _per_document(statement: dict | str) -> str:
+    if isinstance(statement, str):
+        return statement
+    return (f"{_budget(statement['spent'])} for {statement['unit']} ({statement['documents']} documents); "
+            "the line above is the row-level statement of the same release")
 
 
 def _budget(b: dict) -> str:

@@ -34,8 +34,11 @@ def post(url: str, body: dict) -> dict:
 
 @pytest.mark.vllm
 def test_smollm2_serves_the_bundled_private_context(tmp_path):
-    """`make serve`'s configuration on SmolLM2: every one of the 30 layers is verified as DP, the
-    budget covers 30 layers x 3 KV heads of the context, chat and completions answer."""
+    """The DP attention example on SmolLM2 (`DP_CONFIG=examples/serve-smollm2.yaml make serve`):
+    every one of the 30 layers is verified as DP; the public gate finds no (layer, KV head) whose
+    release could carry information at eps = 8 (the public bounds' kernel error is unbounded),
+    so nothing is released or spent and the start-up log and the budget say so; a public
+    question is answered as well as without the context (the public head stays exact)."""
     model = real_model("smollm2-135m-instruct")
     section = yaml.safe_load((REPO / "examples/serve-smollm2.yaml").read_text())["dp_privacy"]
     section["attention"]["private_context"] = str(REPO / "examples" / section["attention"]["private_context"])
@@ -51,13 +54,19 @@ def test_smollm2_serves_the_bundled_private_context(tmp_path):
             "messages": [{"role": "user", "content": "When does the Seattle warehouse close?"}]})
         assert chat["choices"][0]["message"]["content"].strip()
         assert chat["usage"]["prompt_tokens"] > len((REPO / "examples/private_context_chatml.txt").read_text().split())
+        public = post(base + "/v1/chat/completions", {
+            "model": str(model), "max_tokens": 16, "temperature": 0,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+        assert "Paris" in public["choices"][0]["message"]["content"]  # garbage before the public head and gate
         with urllib.request.urlopen(base + "/v1/dp/budget") as reply:
             budget = json.loads(reply.read())
     (context,) = budget["contexts"]
-    assert (context["layers"], context["kv_heads"], context["releases"]) == (30, 3, 90)
-    assert context["spent"] == {"epsilon": pytest.approx(8.0), "delta": pytest.approx(1e-06)}
+    assert (context["layers"], context["kv_heads"], context["public_head_tokens"]) == (30, 3, 3)
+    assert context["releases"] == 0 and context["spent"] == {"epsilon": 0.0, "delta": 0.0}
+    assert context["regime"].startswith("out of regime")
     text = log.read_text()
     assert "verified: all 30 attention layers" in text
+    assert "out of regime" in text  # the start-up log says it plainly
     assert "Laura Callahan" not in text and "dairy" not in text  # no private text in the log
 
 

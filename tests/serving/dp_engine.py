@@ -8,6 +8,7 @@ A script (CPU vLLM forces spawn, hence the __main__ guard) driven by a JSON job:
 cache rows the DP backend collected as private with NaN) or ``{"cross_releases": true}``
 (per worker: the DP cross-attention releases each layer holds) or ``{"release_checksums": true}``
 (every worker's decoder releases, merged by context and global KV head) or
+``{"private_rows": true}`` (per worker: the K/V cache rows at the collected private slots) or
 ``{"swap_release": [into, from]}`` (every DP layer of every worker: context ``into`` answers from
 context ``from``'s release) or ``{"mixed": [[context, prompt], ...], "max_tokens": n}`` (requests
 of several private contexts added together, so they share every step; returns the token ids and the
@@ -40,6 +41,22 @@ def poison_private_rows(worker) -> int:
             cache[slots // block_size, :, slots % block_size] = torch.nan
         poisoned += int(slots.numel())
     return poisoned
+
+
+def private_rows(worker) -> dict:
+    """Layer name -> the K and V cache rows at the private slots the DP backend collected, in
+    slot order, as nested lists (``[slots, H_kv, d]`` each)."""
+    out = {}
+    for name, module in worker.model_runner.model.named_modules():
+        impl = getattr(module, "impl", None)
+        slots = getattr(impl, "_private_slots", None)
+        if slots is None:
+            continue
+        cache = module.kv_cache[0] if isinstance(module.kv_cache, list) else module.kv_cache
+        key_cache, value_cache = impl._paged_kv(cache, module)
+        block_size = key_cache.shape[2]
+        out[name] = [c[slots // block_size, :, slots % block_size].float().tolist() for c in (key_cache, value_cache)]
+    return out
 
 
 def fused_exact_layers(worker) -> list[bool]:
@@ -174,6 +191,8 @@ def run_step(llm, step):
     if step.get("poison_private_kv"):
         return {"poisoned": llm.collective_rpc(poison_private_rows),
                 "fused_exact": llm.collective_rpc(fused_exact_layers)}
+    if step.get("private_rows"):
+        return {"private_rows": llm.collective_rpc(private_rows)}
     if step.get("layer_report"):
         return {"layer_report": llm.collective_rpc("dp_privacy_layers")}
     if "arrivals" in step:

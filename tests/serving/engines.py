@@ -85,6 +85,7 @@ def dp_section(tmp: Path, epsilon: float, **attention) -> dict:
             "bounds": {"key_bound": 1.5, "query_bound": 1.5, "value_bound": 2.0,
                        "key_norm": 2.5, "query_norm": 2.5},
             "private_context": str(context),
+            "gate": False,  # the demo model's random weights: exercise every release (the gate's own tests set it)
             **attention,
         },
     }

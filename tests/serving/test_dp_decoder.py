@@ -41,10 +41,12 @@ def dp_job(model, section, steps):
 
 @pytest.fixture(scope="module")
 def exact_dp(demo_model, deployment):
-    """DP on with eps = 1e6 (basic composition): noise ~1e-6 of the signal. Its own release
-    ledger: the eps = 1 deployment below releases the same context again, which the shared
-    ledger would refuse (tests/serving/test_engine_checks.py)."""
-    section = {**dp_section(deployment, 1e6, composition="basic"), "ledger_file": str(deployment / "exact.jsonl")}
+    """DP on with eps = 1e6 (basic composition): noise ~1e-6 of the signal, and a public head of
+    2 tokens, so a public query merges three parts (exact head, DP span, exact tail). Its own
+    release ledger: the eps = 1 deployment below releases the same context again, which the
+    shared ledger would refuse (tests/serving/test_engine_checks.py)."""
+    section = {**dp_section(deployment, 1e6, composition="basic", public_head=2),
+               "ledger_file": str(deployment / "exact.jsonl")}
     return run_engine(dp_job(demo_model, section, [GENERATE]))[0]
 
 

@@ -91,8 +91,8 @@ def test_a_jsonl_context_is_its_documents_joined_by_newlines(tmp_path):
         read_context(str(docs), "attention.contexts.docs")
 
 
-def ctx(name, ids):
-    return PrivateContext(name, tuple(ids), ContextIdentity("s", "r", f"label-{name}"), None)
+def ctx(name, ids, head=0):
+    return PrivateContext(name, tuple(ids), ContextIdentity("s", "r", f"label-{name}"), None, head)
 
 
 def test_contexts_whose_ids_are_a_prefix_of_another_are_refused():
@@ -171,7 +171,7 @@ def test_request_contexts_are_matched_once_per_request_state_and_fail_closed():
 def test_the_builder_refuses_a_step_whose_contexts_were_not_announced():
     with pytest.raises(RuntimeError, match="did not say which private context"):
         announced(2)
-    batch = BatchContexts(torch.tensor([0, 1]), torch.tensor([3, 4]))
+    batch = BatchContexts(torch.tensor([0, 1]), torch.tensor([3, 4]), torch.tensor([0, 0]))
     with announcing(batch):
         assert announced(2) is batch
         with pytest.raises(RuntimeError, match="contexts of 2 requests for a batch of 3"):
@@ -214,7 +214,8 @@ def test_private_rows_go_to_their_context_and_to_every_context_sharing_them(monk
     impl = decoder_impl((ctx("a", [1, 2, 3, 4]), ctx("b", [1, 2, 9]), ctx("c", [5, 6])))
     layout = BatchLayout(torch.tensor([0, 5, 8]), torch.tensor([5, 3]), torch.tensor([0, 1, 2, 3, 4, 0, 1, 2]),
                          torch.zeros(2, 1))
-    md = SimpleNamespace(dp_layout=layout, dp_contexts=BatchContexts(torch.tensor([0, 2]), torch.tensor([4, 2])))
+    md = SimpleNamespace(dp_layout=layout, dp_contexts=BatchContexts(torch.tensor([0, 2]), torch.tensor([4, 2]),
+                                                                     torch.tensor([0, 0])))
     monkeypatch.setattr("vllm.forward_context.get_forward_context", lambda: SimpleNamespace(attn_metadata=md))
     key = torch.zeros(8, 1, 2)
     impl.do_kv_cache_update(SimpleNamespace(layer_name="model.layers.0.self_attn.attn"), key, key, None, torch.arange(8))
@@ -222,10 +223,29 @@ def test_private_rows_go_to_their_context_and_to_every_context_sharing_them(monk
     assert impl._private_slots.tolist() == [0, 1, 2, 3, 5, 6]
 
 
+def test_public_head_rows_never_enter_a_release_and_private_rows_are_numbered_after_it(monkeypatch):
+    """Contexts a = [1, 2, 3, 4] and b = [1, 2, 9] with a public head of 1 token: request 0 (a)
+    prefills 0..4; position 0 is public (not collected, not a private slot), a's rows 1..3 are
+    its private rows 0..2 and row 1 is also b's private row 0 (shared leading ids)."""
+    from types import SimpleNamespace
+
+    impl = decoder_impl((ctx("a", [1, 2, 3, 4], head=1), ctx("b", [1, 2, 9], head=1)))
+    layout = BatchLayout(torch.tensor([0, 5]), torch.tensor([5]), torch.arange(5), torch.zeros(1, 1))
+    md = SimpleNamespace(dp_layout=layout, dp_contexts=BatchContexts(torch.tensor([0]), torch.tensor([4]),
+                                                                     torch.tensor([1])))
+    monkeypatch.setattr("vllm.forward_context.get_forward_context", lambda: SimpleNamespace(attn_metadata=md))
+    key = torch.zeros(5, 1, 2)
+    impl.do_kv_cache_update(SimpleNamespace(layer_name="model.layers.0.self_attn.attn"), key, key, None, torch.arange(5))
+    assert impl.collected == {0: [0, 1, 2], 1: [0]}
+    assert impl._private_slots.tolist() == [1, 2, 3]
+
+
 def test_each_public_query_is_answered_from_its_own_context_release_only():
     from vllm_dp_plugin.attention.merge import AttentionPart
 
     class Release:
+        open = True
+
         def __init__(self, c):
             self.c = c
 
@@ -241,6 +261,14 @@ def test_each_public_query_is_answered_from_its_own_context_release_only():
     assert part.out[:, :, 0].tolist() == [owner.float().tolist()] * 2
     assert part.lse.tolist() == [(torch.arange(5.0) + 100 * owner).tolist()] * 2
     assert impl._dp_part(None, q, torch.zeros(5, dtype=torch.long)).out.unique().tolist() == [0.0]
+
+    closed = Release(1)
+    closed.open = False
+    impl._private_layer = lambda layer, c: closed if c == 1 else Release(c)
+    part = impl._dp_part(None, q, owner)  # context 1's layer is gated: its query gets weight 0
+    assert part.lse[:, 3].tolist() == [float("-inf")] * 2 and part.out[:, 3].abs().sum() == 0
+    assert part.lse[:, [0, 1, 2, 4]].isfinite().all()
+    assert impl._dp_part(None, q, torch.ones(5, dtype=torch.long)) is None  # all closed: no DP part
 
 
 # ----------------------------------------------------------------------------- request options
@@ -341,7 +369,7 @@ def two_contexts(tmp, epsilon=1.0):
     (tmp / "zeta.txt").write_text(ZETA)
     (tmp / "beta.txt").write_text(BETA)
     return {"key_file": str(key), "attention": {
-        "epsilon": epsilon, "delta": 1e-6, "degree": 3, "bounds": BOUNDS,
+        "epsilon": epsilon, "delta": 1e-6, "degree": 3, "bounds": BOUNDS, "gate": False,
         "contexts": {"zeta": str(tmp / "zeta.txt"), "beta": str(tmp / "beta.txt")}}}
 
 

@@ -8,6 +8,7 @@ ledger (dp-accounting underneath), so every figure is what the sampled noise rea
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -16,7 +17,12 @@ from dp_accounting import dp_event
 from ..privacy.accountant import Budget, PrivacyLedger, advanced_epsilon, split_budget
 from ..privacy.budget import plan_releases
 from ..privacy.events import EpsilonDeltaDpEvent
-from ..privacy.mechanisms import Mechanism, gaussian_mechanism, truncated_laplace_mechanism
+from ..privacy.mechanisms import (
+    Mechanism,
+    gaussian_from_noise_multiplier,
+    gaussian_mechanism,
+    truncated_laplace_mechanism,
+)
 from ..privacy.trlaplace import trlaplace_mechanism
 from .budget import TreeBudget
 from .params import DPAttentionParams
@@ -76,6 +82,28 @@ def tree_mechanism(budget: TreeBudget, node_sensitivity: float) -> Mechanism:
         noise=truncated_laplace_mechanism(node_sensitivity, node.epsilon, node.delta).noise,
         dp_event=EpsilonDeltaDpEvent(spent.epsilon, spent.delta),
     )
+
+
+def group_mechanism(mechanism: Mechanism, rows: int) -> Mechanism:
+    """``mechanism``'s release stated for a group of ``rows`` rows (one document's rows, when a
+    document moves only its own rows): the group's sensitivity is ``rows`` times a row's
+    (triangle inequality). Gaussian: exact (noise multiplier / rows, its analytic epsilon at
+    the same delta); any other (eps, delta) release: group privacy, (rows eps,
+    rows e^{(rows - 1) eps} delta), no guarantee (eps = inf) once that delta reaches 1."""
+    if rows == 1:
+        return mechanism
+    name = f"{mechanism.name} x {rows} rows"
+    if isinstance(mechanism.dp_event, dp_event.GaussianDpEvent):
+        multiplier = mechanism.dp_event.noise_multiplier / rows
+        return gaussian_from_noise_multiplier(mechanism.sensitivity * rows, multiplier, mechanism.delta, name)
+    eps = rows * mechanism.epsilon
+    log_delta = math.log(rows) + (rows - 1) * mechanism.epsilon + math.log(mechanism.delta) if mechanism.delta else -math.inf
+    if log_delta >= 0:
+        eps, delta = math.inf, 1.0
+    else:
+        delta = math.exp(log_delta)
+    return dataclasses.replace(mechanism, name=name, epsilon=eps, delta=delta,
+                               sensitivity=mechanism.sensitivity * rows, dp_event=EpsilonDeltaDpEvent(eps, delta))
 
 
 def composed_ledger(releases: Sequence[tuple[Mechanism, int]], composition: str) -> PrivacyLedger:

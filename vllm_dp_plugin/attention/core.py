@@ -219,6 +219,20 @@ class DPCrossAttention:
         return den, torch.maximum(torch.minimum(num, limit), -limit)
 
     # ------------------------------------------------------------------ accounting
+    def relative_error_bound(self, n: int) -> float:
+        """A public bound on the relative error of a DP denominator for a context of ``n`` rows:
+        the guaranteed kernel error (``inf`` for random features: no uniform guarantee) plus the
+        noise's standard deviation at the largest query feature norm over the smallest true
+        denominator ``n e^{t_min}``. Reads the bounds, the parameters and ``n`` only (the gate).
+        For ``tree`` the noise is one node's, a lower bound on an answer's."""
+        kernel = self.kernel_error
+        sigma = math.sqrt(self.planned_mechanism(n).variance)
+        t_min = -self.logit_bound if self.mapping.signed else 0.0
+        query_norm = self.features.norm_bound(self.mapping.query_bounds(self.head_dim))
+        log_noise = math.log(sigma) + math.log(query_norm) - math.log(n) - t_min if sigma > 0 else -math.inf
+        noise = math.exp(log_noise) if log_noise < 700 else math.inf
+        return (math.inf if math.isnan(kernel) else kernel) + noise
+
     @property
     def kernel_error(self) -> float:
         """Guaranteed relative kernel error eps_s of the Taylor map at the public logit bound

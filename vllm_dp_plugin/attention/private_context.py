@@ -65,7 +65,9 @@ class PrivateContextLayer:
     """Rows ``[0, n)`` of one layer's private context -> a keyed, once-only DP release.
 
     ``collect`` is the only method that sees exact K/V; ``release`` drops them. After that,
-    ``answer`` is post-processing of the release.
+    ``answer`` is post-processing of the release. A layer the public gate closed (``open`` False:
+    its release would carry noise, not information) collects nothing, is never released and
+    spends nothing; its queries answer from the public rows alone.
     """
 
     def __init__(
@@ -77,19 +79,21 @@ class PrivateContextLayer:
         head_dim: int,
         context_len: int,
         budget_heads: int,
+        open: bool = True,
     ):
         if context_len > params.max_context:
             raise ValueError(
                 f"private context of {context_len} tokens exceeds max_context={params.max_context}"
             )
-        self.layer, self.heads, self.context_len = layer, heads, context_len
+        self.layer, self.heads, self.context_len, self.open = layer, heads, context_len, open
         self._dp = DPCrossAttention(
             params, local_mapping(mapping, heads), heads.kv_heads, head_dim, head_dim, heads.query_heads,
             budget_heads,
         )
-        self._k = torch.zeros(context_len, heads.kv_heads, head_dim, dtype=torch.float64)
+        rows = context_len if open else 0
+        self._k = torch.zeros(rows, heads.kv_heads, head_dim, dtype=torch.float64)
         self._v = torch.zeros_like(self._k)
-        self._seen = torch.zeros(context_len, dtype=torch.bool)
+        self._seen = torch.zeros(rows, dtype=torch.bool)
 
     @property
     def released(self) -> bool:
@@ -97,13 +101,13 @@ class PrivateContextLayer:
 
     @property
     def complete(self) -> bool:
-        """All ``context_len`` rows collected (and not yet released)."""
-        return self._k is not None and bool(self._seen.all())
+        """All ``context_len`` rows collected (and not yet released; never for a closed layer)."""
+        return self.open and self._k is not None and bool(self._seen.all())
 
     def collect(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store rows at ``positions: [T]`` (< context_len): ``k, v: [T, H_kv_local, d]``.
         A no-op once released: recomputed rows never enter a second release."""
-        if self.released or positions.numel() == 0:
+        if not self.open or self.released or positions.numel() == 0:
             return
         pos = positions.cpu().long()
         self._k[pos] = k.detach().cpu().to(torch.float64)
@@ -125,6 +129,10 @@ class PrivateContextLayer:
         if not self.released:
             raise RuntimeError(f"layer {self.layer}: the private context is not released yet")
         return self._dp.query_parts(q.transpose(0, 1)).part()
+
+    def relative_error_bound(self) -> float:
+        """The public bound the gate reads (``DPCrossAttention.relative_error_bound``)."""
+        return self._dp.relative_error_bound(self.context_len)
 
     def planned_mechanism(self):
         """The per-(layer, KV head) release this context gets (public)."""

@@ -16,8 +16,11 @@ Rows (``ROWS``, one entry per way of serving; a new mechanism is one more entry)
 * ``none``: no context, the user turn alone (stock vLLM);
 * ``full``: the documents in plain text before the user turn (stock vLLM, exact attention);
 * ``dp_state`` / ``dp_tree``: the documents as the private context (``vllm-dp serve``, DP
-  attention, mode ``state`` / ``tree``), at each eps of ``--eps`` plus eps = 1e7 (the kernel
-  error alone; accounted with ``basic`` composition, which PLD refuses beyond eps = 100);
+  attention, mode ``state`` / ``tree``, default settings: public head ``auto``, gate 0.5), at
+  each eps of ``--eps`` (eps = 1e7 shows the kernel error alone; accounted with ``basic``
+  composition, which PLD refuses beyond eps = 100); the levers one by one:
+  ``dp_state_head`` (public head, gate off), ``dp_state_bare`` / ``dp_tree_bare`` (no public
+  head, no gate: every context token private and every release read, the paper's setting);
 * ``aggregate_vote`` / ``aggregate_expmech``: DP aggregation at the output (``dp_privacy.aggregate``
   with the recommended settings), each scenario's documents one collection, eps per query; the
   request is the user turn alone (the public sequence; members get their documents before it).
@@ -630,12 +633,20 @@ ROWS: dict[str, Row] = {
     "none": Row("no context: the user turn alone (stock vLLM)", False, stock_server, _plain(ChatLayout.none_ids)),
     "full": Row("the documents in plain text before the user turn (stock vLLM)", False, stock_server,
                 _plain(ChatLayout.full_ids)),
-    "dp_state": Row("DP attention, mode state (noisy kernelised state)", True, dp_server("state"), dp_request),
+    "dp_state": Row("DP attention, mode state (noisy kernelised state), default settings (public head, gate)",
+                    True, dp_server("state"), dp_request),
+    "dp_state_head": Row("DP attention, mode state, public head, gate off (every release read)", True,
+                         dp_server("state", gate=False), dp_request),
+    "dp_state_bare": Row("DP attention, mode state, no public head, gate off (the paper's setting)", True,
+                         dp_server("state", public_head=0, gate=False), dp_request),
     # Taylor degree 1 keeps the path-sum tables small, and still an ~800-token context's release is
     # ~4.7 GB on SmolLM2 (30 layers x 3 KV heads x 65 features x 1024 leaves x 3 moments x 65 columns
     # x 4 bytes): 2 contexts a server.
-    "dp_tree": Row("DP attention, mode tree (DPTree; Taylor degree 1 keeps its tables small)", True,
-                   dp_server("tree", degree=1), dp_request, contexts_per_server=2),
+    "dp_tree": Row("DP attention, mode tree (DPTree; Taylor degree 1 keeps its tables small), default settings",
+                   True, dp_server("tree", degree=1), dp_request, contexts_per_server=2),
+    "dp_tree_bare": Row("DP attention, mode tree (Taylor degree 1), no public head, gate off (the paper's setting)",
+                        True, dp_server("tree", degree=1, public_head=0, gate=False), dp_request,
+                        contexts_per_server=2),
     "aggregate_expmech": Row("DP aggregation at the output: exponential mechanism over clipped log-probability "
                              "differences (unit: one document, eps per query)", True,
                              aggregate_server("expmech"), aggregate_request),

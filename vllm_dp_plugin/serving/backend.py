@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 
 import torch
 from vllm.config import get_current_vllm_config
@@ -140,6 +141,7 @@ class DPImplMixin:
             self._contexts = private_contexts(vllm_config)
             self._shared = shared_prefix_lengths(self._contexts)  # [C, C] leading ids in common
             self._layers: dict[int, PrivateContextLayer] = {}  # context index -> release, created on first use
+            self._document_slot = self._contexts[0].slot  # unit document: tokens per document (0: unit row)
             self._private_slots = torch.empty(0, dtype=torch.long)  # cache slots of private rows, any context
 
     def _check_layer_features(self) -> None:
@@ -170,7 +172,8 @@ class DPImplMixin:
         """Context ``c``'s collector/release in this layer (planned for its length)."""
         if c not in self._layers:
             index = extract_layer_index(layer.layer_name)
-            plan = context_plan(self._vllm_config, "self_attention", self._contexts[c].length, self.scale)
+            context = self._contexts[c]
+            plan = context_plan(self._vllm_config, "self_attention", context.private_length, self.scale, context.head)
             self._layers[c] = plan.layer(index, self._heads)
         return self._layers[c]
 
@@ -188,18 +191,21 @@ class DPImplMixin:
         n = key.shape[0]
         positions, request = lay.positions[:n], lay.request_of_tokens()[:n]
         owner = contexts.index[request]  # [n]: the context each row's request reads
-        private = positions < contexts.length[request]
+        private = (positions >= contexts.head[request]) & (positions < contexts.end[request])
         if not bool(private.any()):
             return
         slots = slot_mapping[:n][private.to(slot_mapping.device)].cpu().long()
         self._private_slots = torch.unique(torch.cat([self._private_slots, slots]))
-        for c in range(len(self._contexts)):
-            rows = positions < self._shared[owner, c]  # row p of owner's context is row p of c
+        for c, context in enumerate(self._contexts):
+            # row p of owner's context is row p of c; c's release holds its rows [head_c, end_c)
+            rows = (positions >= context.head) & (positions < self._shared[owner, c].clamp(max=context.private_end))
             if bool(rows.any()):
-                self._collect(layer, c, positions[rows], key[rows.to(key.device)], value[rows.to(value.device)])
+                self._collect(layer, c, positions[rows] - context.head, key[rows.to(key.device)],
+                              value[rows.to(value.device)])
 
     def _collect(self, layer, c: int, positions, key, value) -> None:
-        """Rows ``positions: [t]`` of context ``c`` (``key, value: [t, H_kv, d]``); releases the
+        """Rows ``positions: [t]`` of context ``c``'s private span (position - head; ``key, value:
+        [t, H_kv, d]``); releases the
         layer's part of ``c`` (noise keyed by c's identity) once all its rows are in."""
         dp = self._private_layer(layer, c)
         dp.collect(positions, key, value)
@@ -216,31 +222,68 @@ class DPImplMixin:
         key_cache, value_cache = self._paged_kv(kv_cache, layer)
         contexts: BatchContexts = attn_metadata.dp_contexts
         n = attn_metadata.dp_layout.positions.shape[0]
-        public = attn_metadata.dp_layout.public_queries(contexts.length)
+        public = attn_metadata.dp_layout.public_queries(contexts.end)
         if not public.everything:
             # A context's own prefill (once per context with prefix caching): the parent's
-            # kernel gives the exact causal attention its private queries need. Rows of public
-            # tokens in this batch are overwritten below before anything reads them.
+            # kernel gives the exact causal attention its private queries need (unit document:
+            # block attention replaces it for the documents' rows). Rows of public tokens in
+            # this batch are overwritten below before anything reads them.
             super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
-        if public.count:  # DP over [0, P_c) merged with exact over [P_c, p]
+            if self._document_slot:
+                self._document_prefill(query, attn_metadata.dp_layout, contexts, key_cache, value_cache, output)
+        if public.count:  # DP over [head_c, end_c) merged with exact over [0, head_c) and [end_c, p]
             on = _on(public.tokens, query)
             q = query[:n][on]
-            exact = self._exact(q, public, key_cache, value_cache)
+            parts = [self._exact(q, public, key_cache, value_cache)]
+            head = contexts.head[public.requests]  # [R]: all > 0 or all 0 (settings._private_contexts)
+            if bool((head > 0).all()):  # a few rows: torch ops (the fused kernel wants q_pos < end)
+                rows = gather_spans(key_cache, value_cache, public.block_table, torch.zeros_like(head), head)
+                parts.append(causal_part(q, public.positions, public.span, rows, self.scale))
+            parts = [AttentionPart(p.out.double(), p.lse.double()) for p in parts]
             dp = self._dp_part(layer, q, contexts.index[public.requests][public.span])
-            merged = merge_parts(dp, AttentionPart(exact.out.double(), exact.lse.double()))
+            merged = merge_parts(*parts, *([] if dp is None else [dp]))
             rows = output[:n].view(n, self.num_heads, self.head_size)
             rows[on] = merged.out.transpose(0, 1).to(output.dtype)
         return output
 
-    def _dp_part(self, layer, q, owner: torch.Tensor) -> AttentionPart:
+    def _document_prefill(self, query, lay: BatchLayout, contexts: BatchContexts, key_cache, value_cache,
+                          output) -> None:
+        """Unit document: a query at a document's position ``p`` (slot ``[s, s + slot)``) attends
+        exactly to the public head ``[0, head)`` and to its own document's rows ``[s, p]`` only,
+        so each document's rows depend on the public head and on itself alone."""
+        n = lay.positions.shape[0]
+        request = lay.request_of_tokens()
+        pos, head = lay.positions, contexts.head[request]
+        mine = torch.nonzero((pos >= head) & (pos < contexts.end[request])).flatten()
+        if mine.numel() == 0:
+            return
+        start = head[mine] + (pos[mine] - head[mine]) // self._document_slot * self._document_slot  # [t]
+        spans, span = torch.unique(torch.stack([request[mine], start], dim=1), dim=0, return_inverse=True)
+        owner = spans[:, 0]
+        table = lay.block_table[owner.to(lay.block_table.device)]
+        q = query[:n][_on(mine, query)]
+        parts = []
+        for first, last in ((spans[:, 1], torch.minimum(spans[:, 1] + self._document_slot, lay.seq_lens[owner].long())),
+                            (torch.zeros_like(owner), contexts.head[owner])):
+            rows = gather_spans(key_cache, value_cache, table, first, last)
+            part = causal_part(q, pos[mine], span, rows, self.scale)
+            parts.append(AttentionPart(part.out.double(), part.lse.double()))
+        rows = output[:n].view(n, self.num_heads, self.head_size)
+        rows[_on(mine, rows)] = merge_parts(*parts).out.transpose(0, 1).to(output.dtype)
+
+    def _dp_part(self, layer, q, owner: torch.Tensor) -> AttentionPart | None:
         """DP part of the public queries ``q: [m, H_q, d]`` whose requests read the contexts
         ``owner: [m]``, each answered from its own context's release only: ``out: [H_q, m, d]``,
-        ``lse: [H_q, m]`` (float64)."""
+        ``lse: [H_q, m]`` (float64); a context whose layer the gate closed contributes nothing
+        (weight 0); None when every context's layer is closed."""
         contexts = torch.unique(owner).tolist()
+        dps = [self._private_layer(layer, c) for c in contexts]
+        if not any(dp.open for dp in dps):
+            return None
         if len(contexts) == 1:
-            return self._private_layer(layer, contexts[0]).answer(q)
+            return dps[0].answer(q)
         picks = [torch.nonzero(owner == c).flatten() for c in contexts]  # each context's queries
-        parts = [self._private_layer(layer, c).answer(q[_on(pick, q)]) for c, pick in zip(contexts, picks, strict=True)]
+        parts = [_answer(dp, q[_on(pick, q)]) for dp, pick in zip(dps, picks, strict=True)]
         back = torch.argsort(torch.cat(picks))  # grouped by context -> batch order
         out, lse = torch.cat([p.out for p in parts], dim=1), torch.cat([p.lse for p in parts], dim=1)
         return AttentionPart(out[:, _on(back, out)], lse[:, _on(back, lse)])
@@ -314,13 +357,21 @@ class DPImplMixin:
             self._cross[int(lay.block_table[r, 0])] = dp
 
 
+def _answer(dp: PrivateContextLayer, q: torch.Tensor) -> AttentionPart:
+    """``dp``'s answer to ``q: [m, H_q, d]``, or a part of weight zero when its gate is closed."""
+    if dp.open:
+        return dp.answer(q)
+    heads, m, d = q.shape[1], q.shape[0], q.shape[2]
+    return AttentionPart(q.new_zeros(heads, m, d, dtype=torch.float64),
+                         torch.full((heads, m), -math.inf, dtype=torch.float64, device=q.device))
+
+
 def _on(index, tensor: torch.Tensor):
     """``index`` (a CPU mask / index tensor, or a slice) usable on ``tensor``'s device."""
     return index if isinstance(index, slice) else index.to(tensor.device)
 
 
 _VALIDATED: set[str] = set()
-OUT_OF_REGIME = 0.5  # guaranteed relative kernel error above which a warning is logged
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float")  # unquantised
 
 
@@ -337,12 +388,11 @@ def _validate_once(vllm_config) -> None:
     payload = budget_payload(vllm_config)
     for ctx in payload["contexts"]:
         logger.info("vllm-dp: DP attention on: %s", ctx)
-        errors = ctx["kernel_error"]
-        if any(e is None or e > OUT_OF_REGIME for e in errors):
-            logger.warning(
-                "vllm-dp: %s is out of regime: logit bounds %s give kernel errors %s; DP answers will "
-                "be far from exact attention (tighten the public bounds or key centring)",
-                ctx["kind"], [round(t, 2) for t in ctx["logit_bound"]], errors)
+        in_regime = ctx["regime"].startswith(("in regime", "partly"))
+        (logger.info if in_regime else logger.warning)(
+            "vllm-dp: %s: %s (logit bounds %s, kernel errors %s, public head %s tokens)", ctx.get("name", ctx["kind"]),
+            ctx["regime"], [round(t, 1) for t in ctx["logit_bound"]], ctx["kernel_error"],
+            ctx.get("public_head_tokens"))
     _VALIDATED.add(ident)
 
 

@@ -34,11 +34,14 @@ TRACKER = "_vllm_dp_request_contexts"  # a runner's RequestContexts (or None), i
 @dataclass(frozen=True)
 class BatchContexts:
     """``index: [B]``: the context each request of the step reads (its position in
-    ``settings.private_contexts``); ``length: [B]``: that context's token count P, the request's
-    first public position."""
+    ``settings.private_contexts``); ``length: [B]``: that context's token count P; ``head: [B]``
+    and ``end: [B]``: its private span ``[head, end)`` (``end = P`` under unit row; positions >=
+    ``end`` are the request's public queries)."""
 
     index: torch.Tensor
     length: torch.Tensor
+    head: torch.Tensor
+    end: torch.Tensor
 
 
 def match_context(contexts: Sequence[PrivateContext], prompt_ids: Sequence[int] | None) -> int:
@@ -61,6 +64,8 @@ class RequestContexts:
     def __init__(self, contexts: Sequence[PrivateContext]):
         self.contexts = tuple(contexts)
         self._lengths = torch.tensor([c.length for c in self.contexts], dtype=torch.long)
+        self._heads = torch.tensor([c.head for c in self.contexts], dtype=torch.long)
+        self._ends = torch.tensor([c.private_end for c in self.contexts], dtype=torch.long)
         self._known: dict[str, tuple[object, int]] = {}
 
     def of_batch(self, req_ids: Sequence[str], requests: Mapping[str, object]) -> BatchContexts:
@@ -76,7 +81,7 @@ class RequestContexts:
             known[req_id] = cached if hit else (state, match_context(self.contexts, state.prompt_token_ids))
         self._known = known
         index = torch.tensor([known[r][1] for r in req_ids], dtype=torch.long)
-        return BatchContexts(index, self._lengths[index])
+        return BatchContexts(index, self._lengths[index], self._heads[index], self._ends[index])
 
 
 _announced: BatchContexts | None = None

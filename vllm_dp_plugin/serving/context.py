@@ -53,17 +53,34 @@ class ContextIdentity:
 
 @dataclass(frozen=True)
 class PrivateContext:
-    """``token_ids`` occupy positions ``[0, P)`` of every request that picks ``name`` (public);
-    ``identity`` keys the noise."""
+    """``token_ids`` occupy positions ``[0, P)`` of every request that picks ``name`` (P is
+    public); ``identity`` keys the noise. The first ``head`` of them are the public head (the
+    chat template's system header, ``public_head``): exact and public, never released; the
+    private span, the rows the DP release holds, is ``[head, private_end)``; unit document:
+    document ``i`` holds rows ``[head + i slot, head + (i + 1) slot)``."""
 
     name: str
     token_ids: tuple[int, ...]
     identity: ContextIdentity
     bos_token_id: int | None
+    head: int = 0
+    end: int | None = None  # None: P (unit row); unit document: the end of the documents' slots
+    slot: int = 0  # unit document: tokens per document slot (0: unit row)
 
     @property
     def length(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def private_end(self) -> int:
+        """The end of the private span ``[head, private_end)``; the rows after it are public
+        queries (unit document: the system turn's closing tokens)."""
+        return self.length if self.end is None else self.end
+
+    @property
+    def private_length(self) -> int:
+        """Rows of the private span: what the release holds and the plan counts."""
+        return self.private_end - self.head
 
     def prepend(self, prompt_ids: list[int]) -> list[int]:
         """``private ids + prompt ids`` with the prompt's own leading BOS dropped (the private
@@ -125,6 +142,75 @@ def tokenize_context(text: str, tokenizer) -> list[int]:
     return ids if bos is None else [bos, *ids]
 
 
+def public_head_ids(tokenizer) -> tuple[int, ...]:
+    """The ids every system turn starts with, from the tokenizer alone (public): the BOS it adds
+    and the chat template's text before a system message's content (ChatML:
+    ``<|im_start|>system\\n``); only the BOS when there is no chat template."""
+    bos = added_bos(tokenizer)
+    before, _ = system_turn(tokenizer)
+    return tuple(([] if bos is None else [bos]) + tokenizer.encode(before, add_special_tokens=False))
+
+
+def system_turn(tokenizer) -> tuple[str, str]:
+    """The chat template's text before and after a system message's content (without the BOS
+    the tokenizer adds); ("", "") without a chat template."""
+    if not getattr(tokenizer, "chat_template", None):
+        return "", ""
+    marker = "\x00vllm-dp-system-content\x00"
+    rendered = tokenizer.apply_chat_template([{"role": "system", "content": marker}], tokenize=False)
+    if marker not in rendered:
+        return "", ""
+    before, after = rendered.split(marker, 1)
+    if added_bos(tokenizer) is not None and tokenizer.bos_token and before.startswith(tokenizer.bos_token):
+        before = before[len(tokenizer.bos_token):]
+    return before, after
+
+
+@dataclass(frozen=True)
+class DocumentLayout:
+    """A context of documents laid out for ``unit: document``: ``ids`` = public head, one slot of
+    ``slot`` ids per document (its text and a newline, padded with newlines), then the system
+    turn's closing ids; the private span is ``[head, end)``, ``end = head + documents x slot``."""
+
+    ids: tuple[int, ...]
+    head: int
+    end: int
+    slot: int
+
+
+def document_layout(documents: Sequence[str], tokenizer, slot: int, key: str) -> DocumentLayout:
+    """``documents`` as the chat template's system turn, one slot of ``slot`` tokens each.
+    ConfigError naming ``key`` and the document's line when one does not fit its slot."""
+    head = public_head_ids(tokenizer)
+    _, after = system_turn(tokenizer)
+    if not head:
+        raise ConfigError(f"{key}: unit document needs a tokenizer with a chat template or a BOS (a public head)")
+    newline = tokenizer.encode("\n", add_special_tokens=False)
+    if len(newline) != 1:
+        raise ConfigError(f"{key}: unit document pads with newlines, which this tokenizer does not encode as one id")
+    ids = list(head)
+    for line, text in enumerate(documents, 1):
+        doc = tokenizer.encode(text, add_special_tokens=False) + newline
+        if len(doc) > slot:
+            raise ConfigError(f"{key}: document {line} has {len(doc)} tokens (with its newline); "
+                              f"attention.document_tokens is {slot}")
+        ids += doc + newline * (slot - len(doc))
+    end = len(ids)
+    ids += tokenizer.encode(after, add_special_tokens=False)
+    return DocumentLayout(tuple(ids), len(head), end, slot)
+
+
+def head_length(ids: Sequence[int], setting: str | int, header: Sequence[int], key: str) -> int:
+    """How many leading ``ids`` of a context are its public head under ``attention.public_head``
+    = ``setting``: ``"auto"``: ``header`` (``public_head_ids``) when the context starts with it,
+    else nothing; an integer N: the first N tokens, which the operator declares public."""
+    if setting == "auto":
+        return len(header) if tuple(ids[: len(header)]) == tuple(header) else 0
+    if setting >= len(ids):
+        raise ConfigError(f"{key}: public_head={setting} leaves no private token of its {len(ids)}")
+    return int(setting)
+
+
 def added_bos(tokenizer) -> int | None:
     """The BOS id ``tokenizer`` puts before an encoded text, or None when it adds none. A model
     may name a ``bos_token`` it never adds (SmolLM2: ``<|im_start|>``, which opens every chat
@@ -137,39 +223,65 @@ def added_bos(tokenizer) -> int | None:
 
 def read_context(path: str, key: str) -> str:
     """The text of the context file ``path`` (configuration key ``key``, named in errors): the
-    file itself, or for ``.jsonl`` its documents' ``text`` fields (one JSON object per line)
-    joined by newlines."""
+    file itself, or for ``.jsonl`` its documents (``read_documents``) joined by newlines."""
     file = Path(path)
     if not file.is_file():
         raise ConfigError(f"{key}: no such file {path!r}")
-    text = file.read_text(encoding="utf-8")
-    if file.suffix == ".jsonl":
-        docs = []
-        for number, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                doc = json.loads(line)
-            except ValueError:
-                doc = None
-            if not isinstance(doc, dict) or not isinstance(doc.get("text"), str):
-                raise ConfigError(f'{key}: line {number} of {path!r} is not a JSON object with a "text" string')
-            docs.append(doc["text"])
-        text = "\n".join(docs)
+    text = "\n".join(read_documents(path, key)) if file.suffix == ".jsonl" else file.read_text(encoding="utf-8")
     if not text.strip():
         raise ConfigError(f"{key}: {path!r} is empty")
     return text
 
 
+def read_documents(path: str, key: str) -> list[str]:
+    """The ``text`` fields of the ``.jsonl`` file ``path``, one JSON object per line."""
+    file = Path(path)
+    if file.suffix != ".jsonl" or not file.is_file():
+        raise ConfigError(f"{key}: {path!r} is not a .jsonl file of documents")
+    docs = []
+    for number, line in enumerate(file.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            doc = json.loads(line)
+        except ValueError:
+            doc = None
+        if not isinstance(doc, dict) or not isinstance(doc.get("text"), str):
+            raise ConfigError(f'{key}: line {number} of {path!r} is not a JSON object with a "text" string')
+        docs.append(doc["text"])
+    if not docs:
+        raise ConfigError(f"{key}: {path!r} is empty")
+    return docs
+
+
+@dataclass(frozen=True)
+class ContextTokens:
+    """A context file under a tokenizer: ``ids``, the BOS the tokenizer adds (or None), the
+    public ``head`` length, the private span's ``end`` (None: all of ``ids``) and the document
+    ``slot`` (0: unit row)."""
+
+    ids: tuple[int, ...]
+    bos: int | None
+    head: int
+    end: int | None = None
+    slot: int = 0
+
+
 @functools.lru_cache(maxsize=16)
-def context_tokens(path: str, tokenizer_name: str, key: str) -> tuple[tuple[int, ...], int | None]:
-    """(ids, BOS id) of the context file ``path`` (``read_context``) under ``tokenizer_name``'s
-    HF tokenizer (cached)."""
+def context_tokens(path: str, tokenizer_name: str, key: str, public_head: str | int = 0,
+                   document_tokens: int | None = None) -> ContextTokens:
+    """The context file ``path`` under ``tokenizer_name``'s HF tokenizer (cached): unit row
+    (``document_tokens`` None) its text (``read_context``) with the public head ``head_length``
+    finds under ``public_head``; unit document its documents (``read_documents``) laid out by
+    ``document_layout`` in slots of ``document_tokens``."""
     from transformers import AutoTokenizer
 
-    text = read_context(path, key)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_name)
-    return tuple(tokenize_context(text, tokenizer)), added_bos(tokenizer)
+    if document_tokens is not None:
+        layout = document_layout(read_documents(path, key), tokenizer, document_tokens, key)
+        return ContextTokens(layout.ids, added_bos(tokenizer), layout.head, layout.end, layout.slot)
+    ids = tuple(tokenize_context(read_context(path, key), tokenizer))
+    return ContextTokens(ids, added_bos(tokenizer), head_length(ids, public_head, public_head_ids(tokenizer), key))
 
 
 def file_digest(path: str | Path) -> str:

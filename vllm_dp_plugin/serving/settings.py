@@ -222,21 +222,31 @@ def _private_contexts(raw_json: str, served: ServedModel) -> tuple[PrivateContex
     contexts = []
     for name, path in att.context_files().items():
         where = att.context_key(name)
-        ids, bos = context_tokens(path, served.tokenizer, where)
+        tokens = context_tokens(path, served.tokenizer, where, att.public_head, att.document_tokens_or_none)
+        ids = tokens.ids
         if len(ids) >= served.max_model_len:
             raise ConfigError(
                 f"{where} has {len(ids)} tokens but max_model_len is {served.max_model_len}: no room "
                 "for the public prompt"
             )
-        contexts.append(PrivateContext(name, ids, ContextIdentity.of(ids, inputs, key), bos))
+        contexts.append(PrivateContext(name, ids, ContextIdentity.of(ids, inputs, key), tokens.bos, tokens.head,
+                                       tokens.end, tokens.slot))
     check_prefix_free(contexts, att.context_key())
+    if len({c.head > 0 for c in contexts}) > 1:
+        raise ConfigError(
+            f"attention.public_head: contexts {[c.name for c in contexts if c.head == 0]} have no public head "
+            "while the others do; write every context as a system turn or set public_head to a number"
+        )
     return tuple(contexts)
 
 
-def context_plan(vllm_config, kind: str, context_len: int, scale: float | None = None) -> ContextPlan:
-    """The public plan of one private context of ``context_len`` rows for ``kind`` layers;
-    ``scale``: the served layer's softmax scale (default: the model's, ``ModelShape.scale``)."""
-    return ContextPlan.of(dp_config(vllm_config).attention, ModelShape.of(vllm_config), kind, context_len, scale)
+def context_plan(vllm_config, kind: str, context_len: int, scale: float | None = None,
+                 public_head: int = 0) -> ContextPlan:
+    """The public plan of one private span of ``context_len`` rows (after ``public_head`` public
+    tokens) for ``kind`` layers; ``scale``: the served layer's softmax scale (default: the
+    model's, ``ModelShape.scale``)."""
+    return ContextPlan.of(dp_config(vllm_config).attention, ModelShape.of(vllm_config), kind, context_len, scale,
+                          public_head)
 
 
 def register_release(vllm_config) -> None:
@@ -245,7 +255,9 @@ def register_release(vllm_config) -> None:
     att = dp_config(vllm_config).attention
     ledger = release_ledger(vllm_config)
     for context in private_contexts(vllm_config):
-        spent = context_plan(vllm_config, "self_attention", context.length).spent()
+        spent = context_plan(vllm_config, "self_attention", context.private_length, public_head=context.head).spent()
+        if spent.epsilon == 0:
+            continue  # the gate closed every layer: nothing is released
         try:
             ledger.register(context.identity.subject, context.identity.release, spent, UNIT,
                             allow_rerelease=att.allow_rerelease)
@@ -259,10 +271,10 @@ CONTEXT_SCOPE = (
 )
 
 
-def budget_statement(cfg: DPPrivacyConfig, shape: ModelShape | None, lengths: Mapping[str, int]) -> dict:
+def budget_statement(cfg: DPPrivacyConfig, shape: ModelShape | None, lengths: Mapping[str, tuple[int, int]]) -> dict:
     """The privacy statement of a deployment from public inputs only (pure): the configuration,
     the model's ``shape`` (None: DP attention off) and the private contexts' token counts
-    (``lengths``, name -> tokens, in order). DP attention: one ``ContextPlan.report()`` per
+    (``lengths``, name -> (public head tokens, private rows), in order). DP attention: one ``ContextPlan.report()`` per
     private context (``plan.context_reports``); prompt privatization: ``prompt_payload``.
     ``GET /v1/dp/budget`` answers it with each context's keyed label and ledger added
     (``budget_payload``); ``vllm-dp account`` prints it."""
@@ -284,7 +296,7 @@ def budget_payload(vllm_config) -> dict:
         return budget_statement(cfg, None, {})
     shape = ModelShape.of(vllm_config)
     contexts = () if shape.is_encoder_decoder else private_contexts(vllm_config)
-    payload = budget_statement(cfg, shape, {c.name: c.length for c in contexts})
+    payload = budget_statement(cfg, shape, {c.name: (c.head, c.private_length) for c in contexts})
     ledger = release_ledger(vllm_config) if contexts else None
     for report, context in zip(payload["contexts"], contexts, strict=False):
         report["context"] = f"private_context {context.identity.label}"
