@@ -406,7 +406,8 @@ class ContextPlan:
             return (f"out of regime: no (layer, KV head) release can carry private information at these "
                     f"settings (public relative error bounds {span} > gate {self.cfg.gate:g}), so none is "
                     "made and nothing is spent; answers are those of the model without the private context "
-                    "(its public head and the request only)")
+                    "(when every context of a deployment is out of regime, none is served at all: requests "
+                    "are answered exactly as without it)")
         if opened == self.layers:
             return f"in regime: all {heads} (layer, KV head) releases carry private information (error bounds {span})"
         return (f"partly in regime: {opened * self.total_kv_heads} of {heads} (layer, KV head) releases carry "

@@ -3,6 +3,7 @@ the row registry and the result schema; `--quick` end to end (rows none, full) o
 
 import json
 import re
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -162,11 +163,26 @@ def test_row_registry_jobs_and_servers(tmp_path, monkeypatch):
     for eps, composition in ((8.0, "pld"), (1e7, "basic")):
         server = bench.ROWS["dp_tree"].server(b, eps, both)
         assert server.dp and "--dp-config" in server.cmd
-        cfg = json.loads((tmp_path / f"dp-tree-eps{eps:g}-s000.json").read_text())["dp_privacy"]
+        cfg = json.loads((tmp_path / f"dp-tree-eps{eps:g}-degree=1-s000.json").read_text())["dp_privacy"]
         att = cfg["attention"]
         assert att["mode"] == "tree" and att["epsilon"] == eps and att["composition"] == composition
         assert list(att["contexts"]) == ["s000", "s001"] and att["calibration"] == str(tmp_path / "cal.json")
         assert cfg["key_file"].startswith(str(tmp_path)) and cfg["ledger_file"].startswith(str(tmp_path))
+
+
+def test_rows_of_one_mode_get_their_own_config_and_ledger_and_document_rows_their_collections(tmp_path, monkeypatch):
+    b = bench.Bench("m", bench.make_scenarios(2, seed=0), tmp_path, tmp_path / "cache")
+    monkeypatch.setattr(bench.Bench, "calibration", lambda self: tmp_path / "cal.json")
+    monkeypatch.setattr(bench.Bench, "context_files",
+                        lambda self, scenarios: {s["id"]: str(tmp_path / f"{s['id']}.txt") for s in scenarios})
+    configs = {}
+    for row in ("dp_state", "dp_state_head", "dp_state_bare", "dp_state_doc"):
+        server = bench.ROWS[row].server(b, 8.0, b.scenarios)
+        configs[row] = json.loads(Path(server.cmd[server.cmd.index("--dp-config") + 1]).read_text())["dp_privacy"]
+    assert len({c["ledger_file"] for c in configs.values()}) == 4
+    assert configs["dp_state_bare"]["attention"]["public_head"] == 0 and configs["dp_state_head"]["attention"]["gate"] is False
+    doc = configs["dp_state_doc"]["attention"]
+    assert doc["unit"] == "document" and all(p.endswith(".jsonl") for p in doc["contexts"].values())
 
 
 def test_rows_split_scenarios_over_servers():

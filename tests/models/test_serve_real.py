@@ -37,8 +37,8 @@ def test_smollm2_serves_the_bundled_private_context(tmp_path):
     """The DP attention example on SmolLM2 (`DP_CONFIG=examples/serve-smollm2.yaml make serve`):
     every one of the 30 layers is verified as DP; the public gate finds no (layer, KV head) whose
     release could carry information at eps = 8 (the public bounds' kernel error is unbounded),
-    so nothing is released or spent and the start-up log and the budget say so; a public
-    question is answered as well as without the context (the public head stays exact)."""
+    so nothing is released or spent, the context is not served at all (requests are answered
+    exactly as without it) and the start-up log and the budget say so."""
     model = real_model("smollm2-135m-instruct")
     section = yaml.safe_load((REPO / "examples/serve-smollm2.yaml").read_text())["dp_privacy"]
     section["attention"]["private_context"] = str(REPO / "examples" / section["attention"]["private_context"])
@@ -53,11 +53,11 @@ def test_smollm2_serves_the_bundled_private_context(tmp_path):
             "model": str(model), "max_tokens": 16, "temperature": 0,
             "messages": [{"role": "user", "content": "When does the Seattle warehouse close?"}]})
         assert chat["choices"][0]["message"]["content"].strip()
-        assert chat["usage"]["prompt_tokens"] > len((REPO / "examples/private_context_chatml.txt").read_text().split())
+        assert chat["usage"]["prompt_tokens"] < 30  # out of regime: the context is not even prepended
         public = post(base + "/v1/chat/completions", {
             "model": str(model), "max_tokens": 16, "temperature": 0,
             "messages": [{"role": "user", "content": "What is the capital of France?"}]})
-        assert "Paris" in public["choices"][0]["message"]["content"]  # garbage before the public head and gate
+        assert "Paris" in public["choices"][0]["message"]["content"]  # garbage before the gate
         with urllib.request.urlopen(base + "/v1/dp/budget") as reply:
             budget = json.loads(reply.read())
     (context,) = budget["contexts"]

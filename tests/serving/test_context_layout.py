@@ -1,10 +1,11 @@
-"""The public head: the tokens every system turn starts with stay public and exact."""
+"""The private context's layout: the public head (the tokens every system turn starts with stay
+public and exact) and unit document (fixed slots, documents encoded independently)."""
 
 import pytest
 
+from tests.models.test_serve_real import REPO, real_model
 from vllm_dp_plugin.config import ConfigError
 from vllm_dp_plugin.serving.context import head_length, public_head_ids, tokenize_context
-from tests.models.test_serve_real import REPO, real_model
 
 
 @pytest.fixture(scope="module")

@@ -480,3 +480,19 @@ def test_requests_read_only_their_own_context_release_through_llm_and_server(dem
         assert budget["contexts"][0]["context"] != budget["contexts"][1]["context"]
     log = (tmp_path / "serve.log").read_text()
     assert "vllm-dp: verified: all 2 attention layers" in log and "Seattle" not in log
+
+
+def test_contexts_out_of_regime_are_not_served_at_all(demo_model, tmp_path):
+    """When the public gate closes every layer of every context, the deployment serves none:
+    the workers attend exactly over the requests alone and the renderer prepends nothing
+    (answers equal the model's without the context); with one layer open it serves them."""
+    from vllm_dp_plugin.serving import settings
+
+    closed = vllm_config(demo_model, {**two_contexts(tmp_path), "attention": {
+        **two_contexts(tmp_path)["attention"], "gate": 1e-12}})
+    assert settings.configures_private_contexts(closed) and settings.contexts_out_of_regime(closed)
+    assert not settings.serves_private_contexts(closed)
+    payload = settings.budget_payload(closed)
+    assert all(c["releases"] == 0 and c["regime"].startswith("out of regime") for c in payload["contexts"])
+    opened = vllm_config(demo_model, two_contexts(tmp_path))  # gate off
+    assert settings.serves_private_contexts(opened) and not settings.contexts_out_of_regime(opened)

@@ -21,6 +21,8 @@ Rows (``ROWS``, one entry per way of serving; a new mechanism is one more entry)
   composition, which PLD refuses beyond eps = 100); the levers one by one:
   ``dp_state_head`` (public head, gate off), ``dp_state_bare`` / ``dp_tree_bare`` (no public
   head, no gate: every context token private and every release read, the paper's setting);
+  ``dp_state_doc`` / ``dp_state_doc_open``: unit document (each scenario's collection, one slot
+  of 64 tokens per document, documents encoded independently), default gate / gate off;
 * ``aggregate_vote`` / ``aggregate_expmech``: DP aggregation at the output (``dp_privacy.aggregate``
   with the recommended settings), each scenario's documents one collection, eps per query; the
   request is the user turn alone (the public sequence; members get their documents before it).
@@ -83,6 +85,7 @@ from vllm_dp_plugin.benchmarks.lib.report import (
 from vllm_dp_plugin.benchmarks.lib.vllm import LAUNCH, VLLM_DP
 
 DEFAULT_MODEL = ".models/smollm2-135m-instruct"
+DOCUMENT_TOKENS = 64  # unit document rows: the scenarios' longest document is 53 SmolLM2 tokens
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"  # built with vllm_dp_plugin.models.import_model when missing
 DEFAULT_SCENARIOS = Path(__file__).resolve().parent / "data" / "context-scenarios.jsonl"
 DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "vllm-dp" / "bench-context"
@@ -565,18 +568,21 @@ def stock_server(bench: Bench, eps: float | None, scenarios: Sequence[dict]) -> 
 
 
 def dp_server(mode: str, **attention: object) -> Callable[[Bench, float | None, Sequence[dict]], Server]:
-    """``vllm-dp serve`` with each of ``scenarios``' documents as a named private context."""
+    """``vllm-dp serve`` with each of ``scenarios``' documents as a named private context (under
+    ``unit: document`` their collection files, laid out by the server)."""
+    documents = attention.get("unit") == "document"
 
     def server(bench: Bench, eps: float | None, scenarios: Sequence[dict]) -> Server:
         assert eps is not None
-        name = f"{mode}-eps{eps:g}-{scenarios[0]['id']}"
+        settings = "".join(f"-{k}={v}" for k, v in sorted(attention.items()))  # rows of one mode differ here
+        name = f"{mode}-eps{eps:g}{settings}-{scenarios[0]['id']}"
+        files = bench.collection_files(scenarios) if documents else bench.context_files(scenarios)
         section = {
             "key_file": str(bench.work / "noise.key"),
             "ledger_file": str(bench.work / f"ledger-{name}.jsonl"),  # one per row: every rerun allowed
             "attention": {"mode": mode, "epsilon": eps, "delta": DELTA,
                           "composition": "pld" if eps <= MAX_CURVE_EPS else "basic",
-                          "calibration": str(bench.calibration()), "contexts": bench.context_files(scenarios),
-                          **attention},
+                          "calibration": str(bench.calibration()), "contexts": files, **attention},
         }
         config = bench.work / f"dp-{name}.json"
         config.write_text(json.dumps({"dp_privacy": section}, indent=1))
@@ -629,6 +635,16 @@ def dp_request(layout: ChatLayout, scenario: dict, q: dict) -> Request:
                    {"vllm_xargs": {"dp_context": scenario["id"]}})
 
 
+def document_request(layout: ChatLayout, scenario: dict, q: dict) -> Request:
+    """As ``dp_request``; the server lays the documents out in slots of ``DOCUMENT_TOKENS``."""
+    from vllm_dp_plugin.serving.context import document_layout
+
+    context = document_layout(scenario["documents"], layout.tokenizer, DOCUMENT_TOKENS, "bench")
+    user = layout.dp_ids(scenario["documents"], q["q"])
+    return Request(user, len(context.ids) + len(layout.user_ids(scenario["documents"], q["q"])),
+                   {"vllm_xargs": {"dp_context": scenario["id"]}})
+
+
 ROWS: dict[str, Row] = {
     "none": Row("no context: the user turn alone (stock vLLM)", False, stock_server, _plain(ChatLayout.none_ids)),
     "full": Row("the documents in plain text before the user turn (stock vLLM)", False, stock_server,
@@ -639,6 +655,12 @@ ROWS: dict[str, Row] = {
                          dp_server("state", gate=False), dp_request),
     "dp_state_bare": Row("DP attention, mode state, no public head, gate off (the paper's setting)", True,
                          dp_server("state", public_head=0, gate=False), dp_request),
+    "dp_state_doc": Row("DP attention, mode state, unit document (one slot of 64 tokens per document, block "
+                        "attention among documents), default settings", True,
+                        dp_server("state", unit="document", document_tokens=DOCUMENT_TOKENS), document_request),
+    "dp_state_doc_open": Row("DP attention, mode state, unit document, gate off (every release read)", True,
+                             dp_server("state", unit="document", document_tokens=DOCUMENT_TOKENS, gate=False),
+                             document_request),
     # Taylor degree 1 keeps the path-sum tables small, and still an ~800-token context's release is
     # ~4.7 GB on SmolLM2 (30 layers x 3 KV heads x 65 features x 1024 leaves x 3 moments x 65 columns
     # x 4 bytes): 2 contexts a server.

@@ -130,7 +130,7 @@ def private_context_file(tokenizer_dir: str, tokens: int, path: Path) -> Path:
 
 def dp_config(mode: str, context: Path, calibration: Path, key: Path, s: Settings) -> dict:
     attention = {"mode": mode, "epsilon": s.epsilon, "delta": 1e-6, "calibration": str(calibration),
-                 "private_context": str(context)}
+                 "private_context": str(context), "gate": False}  # the cost of reading every release
     degree = 1 if mode == "tree" else s.degree  # tree: r = d + 1 features keep the table small
     if degree is not None:
         attention["degree"] = degree

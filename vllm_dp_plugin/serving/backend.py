@@ -49,6 +49,7 @@ from .settings import (
     check_prompt_serving,
     check_serving,
     context_plan,
+    contexts_out_of_regime,
     dp_config,
     encoder_release_inputs,
     private_contexts,
@@ -122,6 +123,8 @@ class DPImplMixin:
         enc_dec = bool(getattr(vllm_config.model_config, "is_encoder_decoder", False))
         if enc_dec and self.attn_type == AttentionType.DECODER:
             self._dp_on = False  # Whisper's decoder self-attention is public
+        if self._dp_on and not enc_dec and contexts_out_of_regime(vllm_config):
+            self._dp_on = False  # no context is served: every request is public (settings)
         if not self._dp_on:
             return
         check_serving(vllm_config, cfg)

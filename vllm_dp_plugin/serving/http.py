@@ -53,6 +53,7 @@ from .settings import (
     budget_payload,
     check_engine_options,
     check_prompt_serving,
+    contexts_out_of_regime,
     dp_config,
     private_contexts,
 )
@@ -377,6 +378,10 @@ async def verify_engine(engine_client, vllm_config) -> None:
         ) from None
     if shape.is_encoder_decoder:
         layers, labels = shape.cross_layers, None
+    elif contexts_out_of_regime(vllm_config):
+        logger.warning("vllm-dp: no private context is served (every one is out of regime, see /v1/dp/budget): "
+                       "requests are answered without it; the DP layers are off")
+        return
     else:
         layers, labels = shape.self_layers, [c.identity.label for c in private_contexts(vllm_config)]
     check_layers(reports, layers=layers, labels=labels, scale=shape.scale)

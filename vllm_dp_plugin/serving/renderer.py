@@ -65,7 +65,7 @@ from ..prompt.session import (
 )
 from .context import select_context
 from .prompt_table import build_prompt_privacy, receipt_log_line, special_token_ids
-from .settings import PLUGIN_NAME, dp_config, private_contexts
+from .settings import PLUGIN_NAME, contexts_out_of_regime, dp_config, private_contexts
 
 logger = logging.getLogger("vllm.dp_privacy")  # inherits vLLM's log handler
 
@@ -82,13 +82,17 @@ class DPRenderer(HfRenderer):
         super().__init__(config, tokenizer)
         cfg = dp_config(config)
         self._contexts = {}  # name -> PrivateContext, the first is the default
+        self._served = False  # whether requests carry their context (not when every one is out of regime)
         if cfg.attention is not None and cfg.attention.serves_context:
             self._contexts = {c.name: c for c in private_contexts(config)}
+            self._served = not contexts_out_of_regime(config)
             require_http_guard("a private context is configured")
             for i, context in enumerate(self._contexts.values()):
                 logger.info(
-                    "vllm-dp: private context %r %s (%d tokens) is prepended to the requests that pick it%s",
-                    context.name, context.identity.label, context.length, " (the default)" if i == 0 else "",
+                    "vllm-dp: private context %r %s (%d tokens) is %s%s", context.name, context.identity.label,
+                    context.length, "prepended to the requests that pick it" if self._served else
+                    "NOT served: the public gate closed every layer of every context (out of regime, see "
+                    "/v1/dp/budget), so requests are answered without it", " (the default)" if i == 0 else "",
                 )
         self._prompt = None
         self._around: tuple[list[int], list[int]] | None = None  # added special ids, found lazily
@@ -334,6 +338,8 @@ class DPRenderer(HfRenderer):
         request = current_request()
         asked = None if request is None else request.overrides.get(OPTION_CONTEXT)
         context = self._contexts[select_context(tuple(self._contexts), asked)]
+        if not self._served:
+            return engine_input
         engine_input["prompt_token_ids"] = context.prepend(engine_input["prompt_token_ids"])
         engine_input.pop("prompt_token_offsets", None)  # char offsets of the public text only
         return engine_input

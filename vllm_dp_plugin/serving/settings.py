@@ -200,12 +200,29 @@ def encoder_release_inputs(vllm_config) -> bytes:
     return json.dumps(release_inputs(dp_config(vllm_config), served), sort_keys=True).encode()
 
 
-def serves_private_contexts(vllm_config) -> bool:
-    """DP attention over operator-given private contexts (a decoder-only model), as opposed to
-    none or Whisper's per-request encoder outputs."""
+def configures_private_contexts(vllm_config) -> bool:
+    """Operator-given private contexts are configured (a decoder-only model), as opposed to none
+    or Whisper's per-request encoder outputs."""
     att = dp_config(vllm_config).attention
     enc_dec = bool(getattr(vllm_config.model_config, "is_encoder_decoder", False))
     return att is not None and att.serves_context and not enc_dec
+
+
+def serves_private_contexts(vllm_config) -> bool:
+    """Requests carry a private context: one is configured and not every context is out of
+    regime (``contexts_out_of_regime``)."""
+    return configures_private_contexts(vllm_config) and not contexts_out_of_regime(vllm_config)
+
+
+def contexts_out_of_regime(vllm_config) -> bool:
+    """The public gate closed every layer of every configured private context: no release could
+    carry private information, so none is made and the contexts are not served at all (the
+    renderer prepends nothing, the layers attend exactly over the request alone): answers are
+    exactly the model's without the context, and nothing is spent. Public: plans only."""
+    if not configures_private_contexts(vllm_config):
+        return False
+    return not any(any(context_plan(vllm_config, "self_attention", c.private_length, public_head=c.head).open_layers)
+                   for c in private_contexts(vllm_config))
 
 
 def private_contexts(vllm_config) -> tuple[PrivateContext, ...]:
