@@ -756,8 +756,10 @@ class RunningServer(vllm_lib.RunningServer):
 
 
 def ask_all(bench: Bench, server: RunningServer, row: Row, scenarios: Sequence[dict], label: str,
-            progress=None) -> tuple[list[Answer], float]:
-    """Every question of ``scenarios``, ``bench.concurrency`` in flight; (answers, wall s)."""
+            progress=None, unserved: bool = False) -> tuple[list[Answer], float]:
+    """Every question of ``scenarios``, ``bench.concurrency`` in flight; (answers, wall s).
+    ``unserved``: the server serves no context (every one out of regime), so it sees the
+    request's own tokens only."""
     layout = bench.layout()
     jobs = [(s, q, row.request(layout, s, q)) for s in scenarios for q in s["questions"]]
 
@@ -765,9 +767,10 @@ def ask_all(bench: Bench, server: RunningServer, row: Row, scenarios: Sequence[d
         s, q, request = job
         out = server.complete(bench.model, request, bench.max_tokens)
         got = out["usage"]["prompt_tokens"]
-        if got != request.expected_prompt_tokens:
+        expected = len(request.prompt) if unserved else request.expected_prompt_tokens
+        if got != expected:
             raise RuntimeError(f"{label}: scenario {s['id']} question {q['q']!r}: the server saw {got} prompt "
-                               f"tokens, the layout expects {request.expected_prompt_tokens}")
+                               f"tokens, the layout expects {expected}")
         text = out["choices"][0]["text"]
         if progress is not None:
             progress.update(1)
@@ -824,9 +827,11 @@ def run(bench: Bench, rows: Sequence[str], eps: Sequence[float], log=None,
                 for part in server_parts(row, bench.scenarios):
                     tag = label.replace(" eps=", "@") + f"-{part[0]['id']}"
                     server = _serve(up, server, row.server(bench, e, part), bench.work / f"server-{tag}.log")
-                    if server.server.dp and not answers:  # the statement of the row's first context
-                        budgets.append({"row": name, "eps": e, **server.get("/v1/dp/budget")["contexts"][0]})
-                    got, wall = ask_all(bench, server, row, part, label, qbar)
+                    payload = server.get("/v1/dp/budget") if server.server.dp else {"contexts": []}
+                    if payload["contexts"] and not answers:  # the statement of the row's first context
+                        budgets.append({"row": name, "eps": e, **payload["contexts"][0]})
+                    unserved = bool(payload["contexts"]) and all(c.get("releases") == 0 for c in payload["contexts"])
+                    got, wall = ask_all(bench, server, row, part, label, qbar, unserved)
                     answers, seconds = answers + got, seconds + wall
             result = summarize(name, e, answers, seconds)
             results.append(result)
