@@ -171,7 +171,7 @@ def test_request_contexts_are_matched_once_per_request_state_and_fail_closed():
 def test_the_builder_refuses_a_step_whose_contexts_were_not_announced():
     with pytest.raises(RuntimeError, match="did not say which private context"):
         announced(2)
-    batch = BatchContexts(torch.tensor([0, 1]), torch.tensor([3, 4]), torch.tensor([0, 0]))
+    batch = BatchContexts(torch.tensor([0, 1]), torch.tensor([3, 4]), torch.tensor([0, 0]), torch.tensor([3, 4]))
     with announcing(batch):
         assert announced(2) is batch
         with pytest.raises(RuntimeError, match="contexts of 2 requests for a batch of 3"):
@@ -215,7 +215,7 @@ def test_private_rows_go_to_their_context_and_to_every_context_sharing_them(monk
     layout = BatchLayout(torch.tensor([0, 5, 8]), torch.tensor([5, 3]), torch.tensor([0, 1, 2, 3, 4, 0, 1, 2]),
                          torch.zeros(2, 1))
     md = SimpleNamespace(dp_layout=layout, dp_contexts=BatchContexts(torch.tensor([0, 2]), torch.tensor([4, 2]),
-                                                                     torch.tensor([0, 0])))
+                                                                     torch.tensor([0, 0]), torch.tensor([4, 2])))
     monkeypatch.setattr("vllm.forward_context.get_forward_context", lambda: SimpleNamespace(attn_metadata=md))
     key = torch.zeros(8, 1, 2)
     impl.do_kv_cache_update(SimpleNamespace(layer_name="model.layers.0.self_attn.attn"), key, key, None, torch.arange(8))
@@ -232,7 +232,7 @@ def test_public_head_rows_never_enter_a_release_and_private_rows_are_numbered_af
     impl = decoder_impl((ctx("a", [1, 2, 3, 4], head=1), ctx("b", [1, 2, 9], head=1)))
     layout = BatchLayout(torch.tensor([0, 5]), torch.tensor([5]), torch.arange(5), torch.zeros(1, 1))
     md = SimpleNamespace(dp_layout=layout, dp_contexts=BatchContexts(torch.tensor([0]), torch.tensor([4]),
-                                                                     torch.tensor([1])))
+                                                                     torch.tensor([1]), torch.tensor([4])))
     monkeypatch.setattr("vllm.forward_context.get_forward_context", lambda: SimpleNamespace(attn_metadata=md))
     key = torch.zeros(5, 1, 2)
     impl.do_kv_cache_update(SimpleNamespace(layer_name="model.layers.0.self_attn.attn"), key, key, None, torch.arange(5))
