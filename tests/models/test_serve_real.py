@@ -53,7 +53,7 @@ def test_smollm2_serves_the_bundled_private_context(tmp_path):
             "model": str(model), "max_tokens": 16, "temperature": 0,
             "messages": [{"role": "user", "content": "When does the Seattle warehouse close?"}]})
         assert chat["choices"][0]["message"]["content"].strip()
-        assert chat["usage"]["prompt_tokens"] < 30  # out of regime: the context is not even prepended
+        assert chat["usage"]["prompt_tokens"] < 60  # the template's default system turn + the question: no context
         public = post(base + "/v1/chat/completions", {
             "model": str(model), "max_tokens": 16, "temperature": 0,
             "messages": [{"role": "user", "content": "What is the capital of France?"}]})
