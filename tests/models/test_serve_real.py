@@ -35,7 +35,7 @@ def post(url: str, body: dict) -> dict:
 @pytest.mark.vllm
 def test_smollm2_serves_the_bundled_private_context(tmp_path):
     """The DP attention example on SmolLM2 (`DP_CONFIG=examples/serve-smollm2.yaml make serve`):
-    every one of the 30 layers is verified as DP; the public gate finds no (layer, KV head) whose
+    the public gate finds no (layer, KV head) whose
     release could carry information at eps = 8 (the public bounds' kernel error is unbounded),
     so nothing is released or spent, the context is not served at all (requests are answered
     exactly as without it) and the start-up log and the budget say so."""
@@ -65,8 +65,7 @@ def test_smollm2_serves_the_bundled_private_context(tmp_path):
     assert context["releases"] == 0 and context["spent"] == {"epsilon": 0.0, "delta": 0.0}
     assert context["regime"].startswith("out of regime")
     text = log.read_text()
-    assert "verified: all 30 attention layers" in text
-    assert "out of regime" in text  # the start-up log says it plainly
+    assert "out of regime" in text and "no private context is served" in text  # the start-up log says it plainly
     assert "Laura Callahan" not in text and "dairy" not in text  # no private text in the log
 
 
