@@ -14,6 +14,8 @@
     vllm-dp bench prompt-ttft [options]         prompt privatization overhead on vLLM TTFT
     vllm-dp bench prompt-speed [options]        privatized tokens/s (CPU; GPU: benchmarks/gpu/prompt.sh)
     vllm-dp bench context [options]             private context: shared facts, secret leak, public answers vs eps
+    vllm-dp bench whisper [options]             Whisper tiny.en word error rate vs eps (DP cross-attention)
+    vllm-dp bench attention-real [options]      offline per-layer causes on SmolLM2: sinks, kernel error, noise
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ BENCH_SUITES = {  # `vllm-dp bench SUITE` -> (module in vllm_dp_plugin.benchmark
     "dpformer": ("dpformer", "DPFormer reproduction: NDCG@10/HIT@10 vs eps with and without Re-Attention"),
     "train": ("train", "DP training: step time and peak memory vs non-private, Opacus ghost clipping, torch.func"),
     "context": ("context", "private context on a chat model: shared facts kept, secret leaked, public answers vs eps"),
+    "whisper": ("whisper", "Whisper tiny.en word error rate vs eps with DP cross-attention (stock, dp_off, state, tree)"),
+    "attention-real": ("attention_real", "why DP attention garbles a real chat model, offline: sinks, kernel error, noise, per layer"),
 }
 
 
