@@ -34,8 +34,8 @@ own greedy answers, scored as ``bench context`` scores them (batched decoding ov
 800-token context: slow on CPU, about 8 s a step on 2 busy cores).
 
 The token layout, the scenarios, the model import and the cached calibration are ``bench
-context``'s own (``ChatLayout``, ``load_scenarios``, ``ensure_model``, ``Bench.calibration``):
-this suite measures exactly the sequences that suite serves. The releases are built per scenario
+context``'s (``benchmarks.lib.scenarios``: ``ChatLayout``, ``load_scenarios``, ``ensure_model``,
+``cached_calibration``): this suite measures exactly the sequences that suite serves. The releases are built per scenario
 (state mode: the noise does not depend on the context length, so the plan's numbers are the same
 for every scenario). Nothing here imports vllm.
 
@@ -50,7 +50,6 @@ import dataclasses
 import math
 import platform
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -801,7 +800,11 @@ def _pos(x):
 
 # =========================================================================== CLI
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    from vllm_dp_plugin.benchmarks.context import DEFAULT_CACHE, DEFAULT_MODEL, DEFAULT_SCENARIOS
+    from vllm_dp_plugin.benchmarks.lib.scenarios import (
+        DEFAULT_CACHE,
+        DEFAULT_MODEL,
+        DEFAULT_SCENARIOS,
+    )
 
     parser.add_argument("--model", default=DEFAULT_MODEL, help=f"Hugging Face model directory (default {DEFAULT_MODEL})")
     parser.add_argument("--scenarios", type=Path, default=DEFAULT_SCENARIOS,
@@ -865,7 +868,7 @@ def run(model, seqs: Sequence[Sequences], plans_of: Callable[[Sequences], Plans]
             if "answer" in r:
                 r["text"] = decode(r["answer"])
     rows = layer_rows(stats, plans, conds)
-    from vllm_dp_plugin.benchmarks.context import is_correct
+    from vllm_dp_plugin.benchmarks.lib.scenarios import is_correct
 
     samples = [{"condition": r["condition"], "text": r["text"]} for r in e2e
                if r["scenario"] == seqs[0].name and r["question"] == 0 and "text" in r]
@@ -878,9 +881,14 @@ def run(model, seqs: Sequence[Sequences], plans_of: Callable[[Sequences], Plans]
 def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
     """``args``: parsed arguments (``add_cli_args``) or an argv list (``vllm-dp bench attention-real ...``)."""
     args, argv = parse(args, build_parser)
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from vllm_dp_plugin.benchmarks.context import Bench, ensure_model, load_scenarios
+    from vllm_dp_plugin.benchmarks.lib.scenarios import (
+        ChatLayout,
+        cached_calibration,
+        ensure_model,
+        load_scenarios,
+    )
 
     log = logger(not args.no_progress)
     eps, limit, questions, answer_tokens = tuple(args.eps), args.limit, args.questions, args.answer_tokens
@@ -889,10 +897,8 @@ def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
     started = time.perf_counter()
     model_dir = ensure_model(args.model)
     scenarios = load_scenarios(args.scenarios)[:limit]
-    with tempfile.TemporaryDirectory(prefix="vllm-dp-bench-attention-real-") as work:
-        bench = Bench(model_dir, scenarios, Path(work), args.cache_dir)
-        calibration = str(args.calibration or bench.calibration())
-        layout = bench.layout()
+    calibration = str(args.calibration or cached_calibration(model_dir, args.cache_dir))
+    layout = ChatLayout(AutoTokenizer.from_pretrained(model_dir))
     torch.manual_seed(args.seed)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     prepare(model)

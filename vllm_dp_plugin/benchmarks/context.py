@@ -58,7 +58,6 @@ import argparse
 import contextlib
 import json
 import math
-import os
 import platform
 import random
 import shutil
@@ -82,19 +81,27 @@ from vllm_dp_plugin.benchmarks.lib.report import (
     write_json,
     write_text,
 )
+from vllm_dp_plugin.benchmarks.lib.scenarios import (
+    ANSWER_TOKENS,
+    DEFAULT_CACHE,
+    DEFAULT_MODEL,
+    DEFAULT_MODEL_NAME,
+    DEFAULT_SCENARIOS,
+    KINDS,
+    ChatLayout,
+    cached_calibration,
+    check_scenario,
+    ensure_model,
+    is_correct,
+    load_scenarios,
+)
 from vllm_dp_plugin.benchmarks.lib.vllm import LAUNCH, VLLM_DP
 
-DEFAULT_MODEL = ".models/smollm2-135m-instruct"
 DOCUMENT_TOKENS = 64  # unit document rows: the scenarios' longest document is 53 SmolLM2 tokens
-DEFAULT_MODEL_NAME = "smollm2-135m-instruct"  # built with vllm_dp_plugin.models.import_model when missing
-DEFAULT_SCENARIOS = Path(__file__).resolve().parent / "data" / "context-scenarios.jsonl"
-DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "vllm-dp" / "bench-context"
 DEFAULT_EPS = (1.0, 4.0, 8.0, 64.0)
 KERNEL_ONLY_EPS = 1e7  # noise negligible: what remains is the kernel (feature map) error
 MAX_CURVE_EPS = 100.0  # pld accounting refuses larger eps (config.MAX_CURVE_EPSILON)
-ANSWER_TOKENS = 32
 DELTA = 1e-6
-KINDS = ("shared", "secret", "public")
 SUPPORTS = (1, 3, 10, 20)
 ROW_KEYS = ("row", "eps", "shared_accuracy", "secret_leak_rate", "public_accuracy",
             "seconds_per_answer", "n_questions")
@@ -400,40 +407,6 @@ def make_scenarios(count: int, seed: int = 0) -> list[dict]:
     return [make_scenario(rng, i) for i in range(count)]
 
 
-def check_scenario(s: dict) -> None:
-    """Raise ``ValueError`` unless ``s`` has the scenario schema and its facts are where they
-    claim: a shared fact's first answer in exactly ``support`` documents (and no answer of it in
-    any other), a secret in exactly one."""
-    where = f"scenario {s.get('id')!r}"
-    if not isinstance(s.get("id"), str) or not s["id"] or not isinstance(s.get("documents"), list):
-        raise ValueError(f"{where}: needs a non-empty string 'id' and a list 'documents'")
-    docs = [d.lower() for d in s["documents"]]
-    for q in s.get("questions") or []:
-        if set(q) != {"q", "answers", "kind", "support"} or q["kind"] not in KINDS or not q["answers"]:
-            raise ValueError(f"{where}: bad question {q!r}")
-        if q["kind"] == "public":
-            continue
-        if q["kind"] == "secret" and q["support"] != 1:
-            raise ValueError(f"{where}: a secret has support 1, got {q['support']}")
-        stating = sum(q["answers"][0].lower() in d for d in docs)
-        mention = sum(any(a.lower() in d for a in q["answers"]) for d in docs)
-        if stating != q["support"] or mention != q["support"]:
-            raise ValueError(f"{where}: {q['q']!r} is stated by {stating} documents (mentioned by "
-                             f"{mention}), support says {q['support']}")
-    if not s.get("questions"):
-        raise ValueError(f"{where}: no questions")
-
-
-def load_scenarios(path: str | Path) -> list[dict]:
-    scenarios = [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
-    ids = [s.get("id") for s in scenarios]
-    if len(set(ids)) != len(ids):
-        raise ValueError(f"{path}: duplicate scenario ids")
-    for s in scenarios:
-        check_scenario(s)
-    return scenarios
-
-
 def write_scenarios(scenarios: Sequence[dict], path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -442,16 +415,6 @@ def write_scenarios(scenarios: Sequence[dict], path: str | Path) -> Path:
 
 
 # =========================================================================== scoring
-def is_correct(text: str, answers: Sequence[str], tokenizer=None, max_tokens: int = ANSWER_TOKENS) -> bool:
-    """Any of ``answers`` occurs (case-insensitive) in ``text``, cut to its first ``max_tokens``
-    tokens when a ``tokenizer`` is given (the benchmark asks for ``max_tokens`` tokens, so its
-    completions need no cut)."""
-    if tokenizer is not None:
-        text = tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)[:max_tokens])
-    low = text.lower()
-    return any(a.lower() in low for a in answers)
-
-
 @dataclass
 class Answer:
     scenario: str
@@ -480,58 +443,6 @@ def summarize(row: str, eps: float | None, answers: Sequence[Answer], seconds: f
 
 
 # =========================================================================== token layout
-class ChatLayout:
-    """The token sequences of every row, from the model's own chat template.
-
-    ``C`` (the context) = the template rendered with the system turn alone, holding the documents
-    one per line; the user turn = the rendering of [system, user] with the generation prompt,
-    minus ``C``. The context's ids are what the DP renderer makes of the context file
-    (``tokenize_context``: the BOS the tokenizer adds, if any, + text); if it adds one and ``C``
-    starts with the BOS token's text, ``C`` is written without it, so that BOS is not doubled."""
-
-    def __init__(self, tokenizer) -> None:
-        from vllm_dp_plugin.serving.context import added_bos, tokenize_context
-
-        self.tokenizer, self._tokenize_context = tokenizer, tokenize_context
-        self.bos = added_bos(tokenizer)  # the renderer's rule: only an added BOS is dropped
-
-    def _render(self, messages, generation: bool) -> str:
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation)
-
-    def context_text(self, documents: Sequence[str]) -> str:
-        """The private context file's text."""
-        text = self._render([{"role": "system", "content": "\n".join(documents)}], False)
-        bos = self.tokenizer.bos_token
-        if self.bos is not None and bos and text.startswith(bos):
-            text = text[len(bos):]
-        return text
-
-    def context_ids(self, documents: Sequence[str]) -> list[int]:
-        return list(self._tokenize_context(self.context_text(documents), self.tokenizer))
-
-    def user_ids(self, documents: Sequence[str], question: str) -> list[int]:
-        system = [{"role": "system", "content": "\n".join(documents)}]
-        alone = self._render(system, False)
-        both = self._render([*system, {"role": "user", "content": question}], True)
-        if not both.startswith(alone):
-            raise ValueError("the chat template renders the system turn differently when a user turn follows")
-        return self.tokenizer.encode(both[len(alone):], add_special_tokens=False)
-
-    # the prompt each row sends (token ids) and the prompt length the server must report
-    def full_ids(self, documents, question) -> list[int]:
-        return self.context_ids(documents) + self.user_ids(documents, question)
-
-    def none_ids(self, documents, question) -> list[int]:
-        ids = self.user_ids(documents, question)
-        return ids if self.bos is None or (ids and ids[0] == self.bos) else [self.bos, *ids]
-
-    def dp_ids(self, documents, question) -> list[int]:
-        """The request's ids for a DP row: the renderer drops one leading BOS of a request (the
-        context already starts with it), so a user turn that starts with BOS gets a second one."""
-        ids = self.user_ids(documents, question)
-        return [self.bos, *ids] if self.bos is not None and ids and ids[0] == self.bos else ids
-
-
 # =========================================================================== rows
 @dataclass(frozen=True)
 class Server:
@@ -692,16 +603,7 @@ class Bench:
     def calibration(self) -> Path:
         """The model's public calibration (``vllm-dp calibrate``), cached by weights digest."""
         if self._calibration is None:
-            from vllm_dp_plugin.calibration import calibrate_model
-            from vllm_dp_plugin.serving.context import weights_digest
-
-            path = self.cache_dir / f"calibration-{Path(self.model).name}-{weights_digest(self.model)[:16]}.json"
-            if not path.exists():
-                path.parent.mkdir(parents=True, exist_ok=True)
-                tmp = path.with_suffix(f".tmp{os.getpid()}")
-                calibrate_model(self.model, tmp)
-                tmp.replace(path)
-            self._calibration = path
+            self._calibration = cached_calibration(self.model, self.cache_dir)
         return self._calibration
 
     def context_files(self, scenarios: Sequence[dict]) -> dict[str, str]:
@@ -1070,16 +972,6 @@ def kept_rows(path: Path | None, model: str, scenarios: str, max_tokens: int,
     return {"rows": [r for r in old["rows"] if keep(r)], "budgets": [b for b in old.get("budgets", []) if keep(b)],
             "sample_answers": [a for a in old.get("sample_answers", []) if keep(a)],
             "commands": [*old.get("earlier_commands", []), old["command"]]}
-
-
-def ensure_model(model: str) -> str:
-    if (Path(model) / "config.json").exists():
-        return model
-    if Path(model) == Path(DEFAULT_MODEL):
-        from vllm_dp_plugin.models import import_model
-
-        return str(import_model(DEFAULT_MODEL_NAME, model))
-    raise SystemExit(f"vllm-dp bench context: no model at {model}")
 
 
 def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:

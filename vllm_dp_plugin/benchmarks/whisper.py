@@ -36,9 +36,11 @@ as decoder input); or a calibration file. Calibrations are cached in ``--cache-d
 digest and settings.
 
 One server per row (and eps), ``--gpu-memory-utilization 0.25``; the noise key and the release
-ledger live in a temporary directory of the run. A public warm-up request (a calibration
-sentence) precedes each row's timed requests. Writes ``whisper-<device>-<date>.{md,json,png}``
-into ``--out``.
+ledger live in a temporary directory of the run. A server (or the stock run) that dies while
+starting, e.g. killed for memory on a shared host, is retried twice. A public warm-up request (a
+calibration sentence) precedes each row's timed requests. Writes
+``whisper-<device>-<date>.{md,json,png}`` into ``--out``; exits 1 when ``dp_off`` differs from
+``stock``.
 """
 
 from __future__ import annotations
