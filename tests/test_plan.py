@@ -183,3 +183,11 @@ def test_cross_attention_is_never_gated():
                                                    "gate": 1e-12}}).attention
     plan = ContextPlan(cfg, "cross_attention", 2, 2, 4, 8, 8**-0.5, 50)
     assert plan.open_layers == (True, True) and plan.regime().startswith("no gate")
+
+
+def test_a_release_that_cannot_fit_its_memory_limit_is_refused_before_serving():
+    plan = _plan(bounds=BOUNDS, mode="tree", degree=2)
+    plan.check_memory()  # 50 rows fit
+    whisper = ContextPlan(plan.cfg, "cross_attention", 4, 6, 6, 64, 64**-0.5, 1500)  # tiny.en's encoder output
+    with pytest.raises(ConfigError, match=r"attention.mode: tree needs ~19.* GiB for layer 0's release of 1500 rows"):
+        whisper.check_memory()

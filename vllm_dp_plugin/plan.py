@@ -328,6 +328,20 @@ class ContextPlan:
         released = [(m, count) for m, is_open in zip(self.mechanisms, self.open_layers, strict=True) if is_open]
         return composed_spend(released, self.params.composition) if released else Budget(0.0, 0.0)
 
+    def check_memory(self) -> None:
+        """Refuse, before any request, a release that would not fit ``memory_limit_bytes`` (the
+        tree's path-sum table; otherwise the first request's release fails inside the engine)."""
+        every = HeadLayout(self.total_kv_heads, self.total_query_heads, 0, self.total_kv_heads)
+        for i in (i for i, is_open in enumerate(self.open_layers) if is_open):
+            dp = self._layer(i, every)._dp
+            need = dp.mode.planned_nbytes(dp, self.context_len)
+            if need > dp.params.memory_limit_bytes:
+                raise ConfigError(
+                    f"attention.mode: {self.cfg.mode} needs ~{need / 2**30:.2f} GiB for layer {i}'s release of "
+                    f"{self.context_len} rows (> memory_limit_bytes={dp.params.memory_limit_bytes / 2**30:.2f} GiB); "
+                    "use mode state or a lower degree"
+                )
+
     def document_spent(self) -> Budget:
         """Unit document: what one release of the context spends per document, every open
         (layer, KV head) release stated for the document's ``document_tokens`` rows
@@ -442,10 +456,15 @@ def context_reports(cfg: AttentionPrivacyConfig, shape: ModelShape,
     models one for each request's encoder output. Pure: config, shape and lengths only."""
     check_model(cfg, shape)
     if shape.is_encoder_decoder:
-        report = ContextPlan.of(cfg, shape, "cross_attention", shape.encoder_positions).report()
-        return [{**report, "context": ENCODER_CONTEXT}]
-    return [{"name": name, **ContextPlan.of(cfg, shape, "self_attention", rows, public_head=head).report()}
-            for name, (head, rows) in lengths.items()]
+        plans = {None: ContextPlan.of(cfg, shape, "cross_attention", shape.encoder_positions)}
+    else:
+        plans = {name: ContextPlan.of(cfg, shape, "self_attention", rows, public_head=head)
+                 for name, (head, rows) in lengths.items()}
+    for plan in plans.values():
+        plan.check_memory()
+    if shape.is_encoder_decoder:
+        return [{**plans[None].report(), "context": ENCODER_CONTEXT}]
+    return [{"name": name, **plan.report()} for name, plan in plans.items()]
 
 
 # --------------------------------------------------------------------------- DP aggregation
