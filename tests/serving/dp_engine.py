@@ -17,7 +17,8 @@ start-up layer check's worker method, per worker) or ``{"arrivals": [[after, hz,
 (Whisper requests joining a running engine, see ``arrivals_step``); the poison step also reports, per
 worker and layer, whether the fused CPU kernel answers the exact public part. A generation step with
 ``"dp_options": {...}`` runs inside ``prompt_request(**options)`` (prompt privatization) and also
-returns the receipts (``receipts``, ``accessor_receipts``), or ``{"error": message}``.
+returns the receipts (``receipts``, ``accessor_receipts``), or ``{"error": message}``. ``{"requests": [...]}``: greedy and paraphrase-rewrite requests in one
+batch (``requests_step``).
 """
 
 import json
@@ -181,11 +182,45 @@ def prompt_step(llm, step):
     return result
 
 
+def requests_step(llm, requests):
+    """One ``generate`` call of requests ``{"ids", "max_tokens", "rewrite": {"epsilon", "width",
+    "seed"} | None, "top_k"?, "repeat"?}``: greedy, or a paraphrase rewrite (``serving.paraphrase``)
+    sampled with ``seed`` (``repeat`` n: n copies with seeds ``seed .. seed + n - 1``); returns the
+    output ids, or ``{"error": message}`` if vLLM refused the batch."""
+    from vllm import SamplingParams
+
+    from vllm_dp_plugin.prompt.paraphrase import ParaphraseMechanism
+    from vllm_dp_plugin.serving.paraphrase import rewrite_params
+
+    requests = [
+        {**r, "rewrite": {**r["rewrite"], "seed": r["rewrite"]["seed"] + i}} if r.get("rewrite") else r
+        for r in requests for i in range(r.get("repeat", 1))
+    ]
+    params = []
+    for r in requests:
+        if r.get("rewrite") is None:
+            params.append(SamplingParams(temperature=0.0, max_tokens=r["max_tokens"]))
+            continue
+        spec = r["rewrite"]
+        mech = ParaphraseMechanism(spec["epsilon"], spec["width"], r["max_tokens"])
+        one = rewrite_params(mech, spec["seed"], stop=None)
+        if "top_k" in r:
+            one.top_k = r["top_k"]
+        params.append(one)
+    try:
+        outputs = llm.generate([{"prompt_token_ids": r["ids"]} for r in requests], params, use_tqdm=False)
+    except Exception as exc:  # noqa: BLE001 - vLLM's validation error (a ValueError or not)
+        return {"error": str(exc)}
+    return {"token_ids": [list(o.outputs[0].token_ids) for o in outputs]}
+
+
 def run_step(llm, step):
     from vllm import SamplingParams
 
     if "dp_options" in step:
         return prompt_step(llm, step)
+    if "requests" in step:
+        return requests_step(llm, step["requests"])
 
     params = SamplingParams(temperature=0.0, max_tokens=step.get("max_tokens", 8))
     if step.get("poison_private_kv"):
