@@ -117,6 +117,7 @@ def test_file_paths_are_relative_to_the_config_file(tmp_path):
         ({"epsilon": 12.0}, "trlap_corrected: (12, 1e-06)-DP per token"),
         ({"mechanism": "trlap_paper"}, "the claimed delta is NOT valid"),
         ({"mechanism": "cmp", "epsilon": 3.0}, "metric DP, eps = 3 per unit embedding distance"),
+        ({"mechanism": "paraphrase", "epsilon": 30.0}, "over the cap of 32 output tokens): (960, 0)"),
     ],
 )
 def test_account_command_states_prompt_privatization(tmp_path, capsys, prompt, expect):
@@ -191,6 +192,10 @@ def test_prompt_section_defaults_and_switches():
         ({"search_device": "tpu"}, "prompt.search_device must be one of"),
         ({"mode": "logits"}, "prompt.mode must be one of"),
         ({"cache_history": "yes"}, "prompt.cache_history must be true or false"),
+        ({"paraphrase_width": 0}, "prompt.paraphrase_width must be > 0"),
+        ({"paraphrase_max_tokens": 0}, "prompt.paraphrase_max_tokens must be an integer >= 1"),
+        ({"paraphrase_template": "no placeholder"}, "prompt.paraphrase_template: .*exactly once"),
+        ({"mechanism": "paraphrase", "mode": "embeddings"}, "paraphrase rewrites text: it needs prompt.mode tokens"),
         ({"eps": 1}, r"dp_privacy.prompt: unknown key\(s\) \['eps'\]"),
         ([1], "dp_privacy.prompt must be a mapping"),
     ],

@@ -11,6 +11,7 @@
     vllm-dp bench attention [options]           DP attention vs exact attention benchmark
     vllm-dp bench serve [options]               serving throughput/latency with DP on and off
     vllm-dp bench prompt [options]              prompt privatization utility vs eps (MiniLM)
+    vllm-dp bench prompt-answers [options]      (= bench prompt --answers) answer accuracy on privatized questions
     vllm-dp bench prompt-ttft [options]         prompt privatization overhead on vLLM TTFT
     vllm-dp bench prompt-speed [options]        privatized tokens/s (CPU; GPU: benchmarks/gpu/prompt.sh)
     vllm-dp bench context [options]             private context: shared facts, secret leak, public answers vs eps
@@ -31,6 +32,7 @@ BENCH_SUITES = {  # `vllm-dp bench SUITE` -> (module in vllm_dp_plugin.benchmark
     "attention": ("attention", "DP cross-attention (state, tree) vs exact attention: accuracy, real heads, speed"),
     "serve": ("serve", "vLLM bench throughput/serve: stock vs plugin loaded vs DP state/tree"),
     "prompt": ("prompt", "prompt privatization: token preservation and sentence cosine vs eps, true delta"),
+    "prompt-answers": ("prompt_answers", "prompt privatization: answer accuracy of SmolLM2 on privatized questions vs eps"),
     "prompt-ttft": ("prompt_ttft", "prompt privatization: overhead on vLLM time to first token"),
     "prompt-speed": ("prompt_speed", "prompt privatization: privatized tokens/s (nearest candidate, privatizer)"),
     "dpformer": ("dpformer", "DPFormer reproduction: NDCG@10/HIT@10 vs eps with and without Re-Attention"),

@@ -20,7 +20,14 @@ from .attention.params import FEATURES, STATE_MECHANISMS
 from .privacy.accountant import COMPOSITIONS
 from .privacy.aggregation import AGGREGATION_MECHANISMS, GATES
 from .privacy.validation import check_count, check_delta, check_epsilon, check_positive
-from .prompt.mechanisms import MECHANISMS
+from .prompt.options import PROMPT_MECHANISMS
+from .prompt.paraphrase import (
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_TEMPLATE,
+    DEFAULT_WIDTH,
+    PARAPHRASE,
+    rewrite_prompt,
+)
 
 CONFIG_KEY = "dp_privacy"
 
@@ -353,6 +360,7 @@ EXPMECH_CANDIDATES = 64  # expmech's default: every member returns this many log
 PROMPT_MODES = ("tokens", "embeddings")
 FAST_DTYPES = ("float32", "bfloat16")
 SEARCH_DEVICES = ("auto", "cpu", "cuda")
+SEARCHES = ("exact", "hnsw", "ivf")  # prompt.search: nearest-candidate search (prompt/approximate.py)
 
 
 @dataclass(frozen=True)
@@ -368,12 +376,25 @@ class PromptPrivacyConfig:
     used by ``trlap_paper`` only. ``center``/``clip_quantile``: the embedding table's centring and
     clip norm (a quantile of the centred row norms). ``topk``/``fast_dtype``: nearest-candidate
     search (utility and speed only); ``search_device``: where that search runs (``auto``: the API
-    server's CUDA device when it has one, else CPU). ``allow_request_override``: requests may pick mechanism and
+    server's CUDA device when it has one, else CPU). ``search``: ``exact`` (default: the certified
+    fp32 search), or an approximate faiss-cpu index over the candidate rows built once at
+    start-up, ``hnsw`` (HNSW, M 32, efSearch 128) or ``ivf`` (IVF-Flat, nlist ~ 4 sqrt(K),
+    nprobe 32), whose best 8 (at most ``topk``) are re-ranked exactly; approximate search runs on CPU and is
+    post-processing of the noisy vector, so it moves utility and speed, never privacy (``expmech``
+    always samples over exact distances). Measured on SmolLM2-135M (issue 20), neither keeps token
+    preservation within 1 pp of exact search (DP noise puts the queries far from every row, where
+    graph and partition indexes lose recall), so ``exact`` stays the default. ``allow_request_override``: requests may pick mechanism and
     epsilon (``vllm_xargs``: ``dp_mechanism``, ``dp_epsilon``), capped by ``max_epsilon`` when set.
     ``cache_history``/``cache_size``: reuse the privatized ids of earlier user turns of the same
     conversation and of retried requests (LRU of ``cache_size`` segments) instead of re-noising.
     ``mode``: ``tokens`` (privatized ids go to the engine) or ``embeddings`` (noisy embeddings
     through vLLM's ``prompt_embeds``; needs ``--enable-prompt-embeds``).
+
+    ``mechanism: paraphrase`` (``prompt.paraphrase``, chat requests of the OpenAI server): the
+    served engine rewrites each user message first, ``epsilon`` per OUTPUT token over any two
+    messages, at most ``paraphrase_max_tokens`` tokens per message (a public cap; the receipt
+    composes over it), utilities clipped to ``paraphrase_width`` below the top logit, prompt
+    ``paraphrase_template`` (``{text}`` = the message).
     """
 
     mechanism: str = "trlap_corrected"
@@ -385,14 +406,26 @@ class PromptPrivacyConfig:
     topk: int = 32
     fast_dtype: str = "float32"
     search_device: str = "auto"
+    search: str = "exact"
     allow_request_override: bool = True
     max_epsilon: float | None = None
     cache_history: bool = True
     cache_size: int = 4096
     mode: str = "tokens"
+    paraphrase_width: float = DEFAULT_WIDTH
+    paraphrase_max_tokens: int = DEFAULT_MAX_TOKENS
+    paraphrase_template: str = DEFAULT_TEMPLATE
 
     def __post_init__(self) -> None:
-        _choice(self.mechanism, MECHANISMS, "prompt.mechanism")
+        _choice(self.mechanism, PROMPT_MECHANISMS, "prompt.mechanism")
+        _check_field(self, "paraphrase_width", check_positive, "prompt.paraphrase_width")
+        _check(check_count, self.paraphrase_max_tokens, "prompt.paraphrase_max_tokens")
+        try:
+            rewrite_prompt("", self.paraphrase_template)
+        except (ValueError, TypeError, AttributeError) as exc:
+            raise ConfigError(f"prompt.paraphrase_template: {exc}") from None
+        if self.mechanism == PARAPHRASE and self.mode != "tokens":
+            raise ConfigError("prompt.mechanism paraphrase rewrites text: it needs prompt.mode tokens")
         _check_field(self, "epsilon", check_epsilon, "prompt.epsilon")
         _check_field(self, "delta", check_delta, "prompt.delta")
         if self.effective_dim is not None:
@@ -407,6 +440,7 @@ class PromptPrivacyConfig:
         _check(check_count, self.cache_size, "prompt.cache_size")
         _choice(self.fast_dtype, FAST_DTYPES, "prompt.fast_dtype")
         _choice(self.search_device, SEARCH_DEVICES, "prompt.search_device")
+        _choice(self.search, SEARCHES, "prompt.search")
         _choice(self.mode, PROMPT_MODES, "prompt.mode")
         if self.max_epsilon is not None:
             _check_field(self, "max_epsilon", check_epsilon, "prompt.max_epsilon")

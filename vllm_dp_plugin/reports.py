@@ -107,6 +107,18 @@ def prompt_report(prompt: PromptPrivacyConfig) -> str:
     embedding table (sensitivities, and the true delta of the paper calibrations): it is logged
     at serving start and returned in every request's receipt."""
     eps, delta = prompt.epsilon, prompt.delta
+    overrides = f"  requests may override mechanism/epsilon: {prompt.allow_request_override}" + (
+        f" (epsilon <= {prompt.max_epsilon:g})" if prompt.max_epsilon is not None else "")
+    if prompt.mechanism == "paraphrase":
+        cap = prompt.paraphrase_max_tokens
+        return "\n".join([
+            "Prompt privatization of user-authored tokens: paraphrase (the served model rewrites each user message)",
+            "  unit of privacy: one user message (any two messages, their lengths included)",
+            (f"  per output token: ({eps:g}, 0)-DP (exponential mechanism, logits clipped to "
+             f"{prompt.paraphrase_width:g} below the top)"),
+            f"  a message (basic composition over the cap of {cap} output tokens): ({eps * cap:g}, 0)",
+            overrides,
+        ])
     if prompt.mechanism in PAPER_MODES:
         guarantee = (f"{prompt.mechanism} (paper-literal reproduction): the claimed delta is NOT "
                      "valid for d > 1; the true delta is computed from the served table at start")
@@ -123,8 +135,7 @@ def prompt_report(prompt: PromptPrivacyConfig) -> str:
             f"  per token: {guarantee}",
             (f"  a prompt of n user tokens (basic composition): ({eps:g} n, {delta:g} n); receipts "
             "also give advanced composition and count cached (reused) turns once"),
-            f"  requests may override mechanism/epsilon: {prompt.allow_request_override}"
-            + (f" (epsilon <= {prompt.max_epsilon:g})" if prompt.max_epsilon is not None else ""),
+            overrides,
         ]
     )
 

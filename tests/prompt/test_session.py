@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from vllm_dp_plugin.config import PromptPrivacyConfig
+from vllm_dp_plugin.prompt.segments import replace_user_texts
 from vllm_dp_plugin.prompt.session import (
     HistoryCache,
     PromptOptionError,
@@ -180,6 +181,11 @@ def test_mark_user_texts_replaces_only_user_content():
     keys = marked.cache_keys
     assert [(k["message"], k["part"]) for k in keys] == [(1, None), (3, 0), (3, 1)]
     assert keys[0]["conversation"] == messages[:2] and keys[2]["conversation"] == messages
+    rewritten = replace_user_texts(marked, ["1st", "A", "B"])
+    assert rewritten == [messages[0], {"role": "user", "content": "1st"}, messages[2],
+                         {"role": "user", "content": [{"type": "text", "text": "A"}, "B"]}]
+    with pytest.raises(ValueError, match="2 texts for 3 user texts"):
+        replace_user_texts(marked, ["x", "y"])
 
 
 def test_non_text_user_content_is_refused():

@@ -18,7 +18,8 @@ start-up layer check's worker method, per worker) or ``{"arrivals": [[after, hz,
 worker and layer, whether the fused CPU kernel answers the exact public part. A generation step with
 ``"dp_options": {...}`` runs inside ``prompt_request(**options)`` (prompt privatization) and also
 returns the receipts (``receipts``, ``accessor_receipts``), or ``{"error": message}``. ``{"requests": [...]}``: greedy and paraphrase-rewrite requests in one
-batch (``requests_step``).
+batch (``requests_step``); ``{"verify_paraphrase": true}``: the engine runs the paraphrase
+logits processor (``serving.paraphrase.verify_llm``).
 """
 
 import json
@@ -221,6 +222,11 @@ def run_step(llm, step):
         return prompt_step(llm, step)
     if "requests" in step:
         return requests_step(llm, step["requests"])
+    if step.get("verify_paraphrase"):
+        from vllm_dp_plugin.serving.paraphrase import verify_llm
+
+        verify_llm(llm)
+        return {"verified": True}
 
     params = SamplingParams(temperature=0.0, max_tokens=step.get("max_tokens", 8))
     if step.get("poison_private_kv"):

@@ -35,9 +35,10 @@ def results(demo_model):
         {"requests": greedy[:2] + capped + greedy[2:]},  # the same greedy requests beside rewrites
         {"requests": [{**capped[0], "top_k": 5}]},
         {"requests": [{**g, "rewrite": {"epsilon": 1e12, "width": WIDTH, "seed": 0}} for g in greedy]},
+        {"verify_paraphrase": True},
     ]
     return run_engine({"model": demo_model, "llm": {"gpu_memory_utilization": 0.15}, "steps": steps},
-                      vllm_plugins="")  # no plugin asked for: the logits processor is an entry point
+                      vllm_plugins="dp_privacy")  # the general plugin installs the processor check
 
 
 def exact_law(demo_model, eps):
@@ -70,3 +71,14 @@ def test_parameters_that_change_the_law_are_refused(results):
 
 def test_infinite_epsilon_is_greedy_in_vllm(results):
     assert results[4]["token_ids"] == results[1]["token_ids"]
+
+
+def test_rewrites_run_only_where_every_worker_runs_the_processor(results):
+    from vllm_dp_plugin.serving.paraphrase import ParaphraseLogits, check_processors
+
+    assert results[5] == {"verified": True}  # this engine's worker reports it
+    name = f"{ParaphraseLogits.__module__}.{ParaphraseLogits.__qualname__}"
+    check_processors([[name], ["x.Other", name]])
+    for reports in ([], [["x.Other"]], [[name], []]):  # a stale entry point list: fail closed
+        with pytest.raises(ValueError, match="would not be DP"):
+            check_processors(reports)

@@ -562,3 +562,26 @@ def test_every_engine_refuses_prompt_privacy_without_the_renderer(monkeypatch):
     monkeypatch.setenv("VLLM_USE_RUST_FRONTEND", "1")
     with pytest.raises(ConfigError, match="Rust frontend"):
         check_prompt_serving(vllm_config("dp_private"), cfg)
+
+
+@pytest.mark.vllm
+def test_http_paraphrase_rewrites_the_user_message_on_the_served_engine(server, tokenizer):
+    """``dp_mechanism: paraphrase``: the engine receives the chat with the user's text replaced by
+    its rewrite (one extra generation of the same engine), the rest untouched; the receipt
+    composes over the cap; completions are refused (the rewrite is of chat messages)."""
+    long_user = {"role": "user", "content": " ".join([USER["content"]] * 6)}  # ~70 tokens > the cap
+    options = {"dp_mechanism": "paraphrase", "dp_epsilon": 30.0}
+    status, reply = chat(server, [SYSTEM, long_user], options)
+    assert status == 200, reply
+    (receipt,) = reply["dp_prompt_receipts"]
+    cap = 32  # prompt.paraphrase_max_tokens' default
+    assert receipt["mechanism"] == "paraphrase" and receipt["tokens_privatized"] == cap
+    assert receipt["prompt_total"]["basic"]["epsilon"] == pytest.approx(cap * 30.0)
+    stock = stock_chat(tokenizer, [SYSTEM, long_user])
+    span = user_span(tokenizer, stock, long_user["content"])
+    got, tail = reply["prompt_token_ids"], len(stock) - span.stop
+    assert got[: span.start] == stock[: span.start] and got[len(got) - tail:] == stock[span.stop:]
+    middle = got[span.start: len(got) - tail]
+    assert len(middle) <= 2 * cap < span.stop - span.start and middle != stock[span]
+    status, refused = complete(server, COMPLETION, options)
+    assert status == 400 and "paraphrase" in refused["error"]["message"]

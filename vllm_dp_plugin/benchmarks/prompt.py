@@ -911,6 +911,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add_date_arg(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar or log lines")
     p.add_argument("--render", type=Path, metavar="JSON", help="only re-render the markdown/plot of a saved results JSON")
+    p.add_argument("--answers", action="store_true",
+                   help="answer accuracy on SmolLM2-135M-Instruct instead (= `vllm-dp bench prompt-answers`, "
+                        "its own options: `vllm-dp bench prompt --answers --help`)")
     return p
 
 
@@ -949,8 +952,18 @@ def load_results(path: Path) -> tuple[dict, Settings]:
 
 
 def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
-    """``args``: parsed options (``add_cli_args``) or an argv list (``vllm-dp bench prompt ...``)."""
+    """``args``: parsed options (``add_cli_args``) or an argv list (``vllm-dp bench prompt ...``);
+    ``--answers`` hands the rest to ``benchmarks.prompt_answers`` (answer accuracy on a real model)."""
+    if not isinstance(args, argparse.Namespace):
+        given = list(sys.argv[1:] if args is None else args)
+        if "--answers" in given:
+            import importlib  # a route, as `vllm-dp bench` routes: suites share no code
+
+            answers = importlib.import_module("vllm_dp_plugin.benchmarks.prompt_answers")
+            return answers.main([a for a in given if a != "--answers"])
     args, argv = parse(args, build_parser)
+    if args.answers:  # a Namespace of this parser cannot hold the answer suite's options
+        raise SystemExit("--answers has its own options: pass an argv list, or use benchmarks.prompt_answers.main")
     if args.render:
         results, settings = load_results(args.render)
         write_results(results, settings)

@@ -15,7 +15,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .mechanisms import MECHANISMS
+from .paraphrase import PARAPHRASE
 
+PROMPT_MECHANISMS = (*MECHANISMS, PARAPHRASE)
 OPTION_PREFIX = "dp_"
 OPTION_MECHANISM = "dp_mechanism"
 OPTION_EPSILON = "dp_epsilon"
@@ -75,9 +77,9 @@ def resolve_options(overrides: Mapping[str, Any] | None, cfg, credential: bytes 
     mechanism = overrides.get(OPTION_MECHANISM)
     if mechanism is None:
         mechanism = cfg.mechanism
-    elif not isinstance(mechanism, str) or mechanism not in MECHANISMS:
+    elif not isinstance(mechanism, str) or mechanism not in PROMPT_MECHANISMS:
         raise PromptOptionError(
-            f"vllm_xargs.{OPTION_MECHANISM} must be one of {list(MECHANISMS)}, got {mechanism!r}"
+            f"vllm_xargs.{OPTION_MECHANISM} must be one of {list(PROMPT_MECHANISMS)}, got {mechanism!r}"
         )
     epsilon = overrides.get(OPTION_EPSILON)
     if epsilon is None:

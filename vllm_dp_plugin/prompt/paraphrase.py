@@ -114,7 +114,10 @@ def rewrite_prompt(text: str, template: str = DEFAULT_TEMPLATE) -> str:
 
 def rewrite_seed(key, mechanism: ParaphraseMechanism, template: str, text: str) -> int:
     """The sampler seed of one rewrite: 63 bits of ``key.mac`` (a ``privacy.keyed_noise.NoiseKey``)
-    over the release's inputs, so the same text under the same settings gets the same rewrite
-    (a client resending it learns nothing new) and nobody without the key can predict it."""
+    over the release's inputs, so the same text under the same settings gets the same noise and
+    nobody without the key can predict it. The rewrite itself can still differ between two
+    requests where the engine's float32 logits differ (batch composition, prefix-cache hits: the
+    same noise then mostly, not always, picks the same tokens), so every rewrite is charged as a
+    new release."""
     mac = key.mac(PARAPHRASE, repr((mechanism.epsilon, mechanism.width, mechanism.max_tokens)), template, text)
     return int.from_bytes(mac[:8], "big") >> 1

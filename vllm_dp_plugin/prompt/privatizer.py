@@ -25,6 +25,7 @@ from ..kernels.nearest_reference import fast_topk_torch, select_within_bound
 from ..kernels.types import FastPass, SelectPass
 from ..privacy.accountant import Budget, PrivacyLedger
 from ..privacy.validation import check_count, check_delta
+from .approximate import ApproximateIndex, search_index
 from .mechanisms import AdditiveTokenMechanism, ExponentialMechanism, TokenGuarantee, TokenMechanism
 from .nearest import CandidateIndex
 from .table import EmbeddingTable
@@ -103,8 +104,11 @@ class TokenPrivatizer:
     """Privatizes the masked tokens of a prompt with ``mechanism`` over ``table``'s candidates.
 
     ``topk``/``chunk``/``fast_dtype``/``fast_pass``/``select`` configure the nearest-candidate search
-    (``nearest.CandidateIndex``); they affect utility and speed, never privacy. ``index``: an
-    index of ``table``'s candidates to share between privatizers (built here when None).
+    (``nearest.CandidateIndex``); they affect utility and speed, never privacy. ``search``:
+    ``exact``, or ``hnsw`` / ``ivf`` for an approximate faiss index over the same candidate rows
+    with an exact re-rank of its best ``min(topk, 8)`` (``approximate.ApproximateIndex``; additive
+    mechanisms only: ``expmech`` samples over exact distances). ``index``: an index of
+    ``table``'s candidates to share between privatizers (built here from ``search`` when None).
     ``advanced_slack``: the delta' of advanced composition in receipts.
     """
 
@@ -119,7 +123,8 @@ class TokenPrivatizer:
         fast_pass: FastPass = fast_topk_torch,
         select: SelectPass = select_within_bound,
         advanced_slack: float = 1e-6,
-        index: CandidateIndex | None = None,
+        index: CandidateIndex | ApproximateIndex | None = None,
+        search: str = "exact",
     ) -> None:
         if mechanism.table is not table:
             raise ValueError("the mechanism was calibrated for a different EmbeddingTable")
@@ -130,7 +135,9 @@ class TokenPrivatizer:
         self.advanced_slack = check_delta(advanced_slack, "advanced_slack")
         self.fast_pass = fast_pass
         self.select = select
-        self.index = index if index is not None else candidate_index(table, fast_dtype)
+        if index is None:
+            index = search_index(candidate_index(table, fast_dtype), search)
+        self.index = index
 
     def privatize(
         self, ids: torch.Tensor, private_mask: torch.Tensor, generator: torch.Generator

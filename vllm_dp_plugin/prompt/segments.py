@@ -177,6 +177,28 @@ def mark_user_texts(messages: Sequence[Any], nonce: str | None = None) -> Marked
     return MarkedChat(marked, sentinels, [t for _, _, t in located], keys)
 
 
+def replace_user_texts(marked: MarkedChat, texts: Sequence[str]) -> list[dict]:
+    """``marked.messages`` with its sentinels replaced by ``texts`` (in order): the chat with new
+    user texts (e.g. their rewrites), everything else as it was."""
+    if len(texts) != len(marked.sentinels):
+        raise ValueError(f"{len(texts)} texts for {len(marked.sentinels)} user texts")
+    into = dict(zip(marked.sentinels, texts, strict=True))
+    out = []
+    for message in marked.messages:
+        content = message.get("content")
+        if isinstance(content, str) and content in into:
+            message = {**message, "content": into[content]}
+        elif isinstance(content, list):
+            message = {**message, "content": [
+                into.get(part, part) if isinstance(part, str)
+                else {**part, "text": into[part["text"]]} if isinstance(part, Mapping) and part.get("text") in into
+                else part
+                for part in content
+            ]}
+        out.append(message)
+    return out
+
+
 def _as_dict(message: Any) -> dict:
     if isinstance(message, Mapping):
         return dict(message)

@@ -32,6 +32,7 @@ from ..kernels.nearest_reference import fast_topk_torch, select_within_bound
 from ..kernels.types import FastPass, SelectPass
 from ..lru import LRU
 from ..privacy.keyed_noise import fresh_generator, seeded_generator
+from .approximate import describe_search, search_index
 from .history import HistoryCache
 from .mechanisms import token_mechanism
 from .options import (
@@ -50,7 +51,8 @@ from .options import (
     option_overrides,
     resolve_options,
 )
-from .privatizer import TokenPrivatizer, candidate_index
+from .paraphrase import PARAPHRASE, ParaphraseMechanism
+from .privatizer import TokenPrivatizer, candidate_index, make_receipt
 from .receipts import PromptReceipt
 from .request import (
     CREDENTIAL_HEADERS,
@@ -147,7 +149,10 @@ class PrivatizedPrompt:
 class PromptPrivacy:
     """Privatizes the private segments of prompts over one ``EmbeddingTable``.
 
-    ``cfg``: the ``PromptPrivacyConfig`` (topk, fast_dtype, effective_dim, delta, mode).
+    ``cfg``: the ``PromptPrivacyConfig`` (topk, fast_dtype, search, effective_dim, delta, mode).
+    ``search`` (``exact`` when the config has none): the exact index, or an approximate faiss
+    index over the same candidate rows built here once (``approximate.search_index``; it
+    searches on CPU whatever ``device``).
     ``cache``: the history cache, used by requests with a session (None: every request is
     noised afresh).
     ``placeholder_id``: the id put at private positions in embeddings mode.
@@ -177,10 +182,34 @@ class PromptPrivacy:
         self._privatizers: LRU[tuple, TokenPrivatizer] = LRU(PRIVATIZER_CACHE)
         fast_dtype = torch.bfloat16 if cfg.fast_dtype == "bfloat16" else torch.float32
         self.device = torch.device(device)
-        self._index = candidate_index(table, fast_dtype).to(self.device)  # one copy, shared by every privatizer
+        exact = candidate_index(table, fast_dtype)
+        # one index, shared by every privatizer
+        self._index = search_index(exact, getattr(cfg, "search", "exact")).to(self.device)
+
+    @property
+    def search(self) -> str:
+        """The nearest-candidate search, for the start-up log (``approximate.describe_search``)."""
+        return describe_search(self._index)
 
     def options(self, overrides: Mapping[str, Any] | None = None, credential: bytes = b"") -> PromptOptions:
         return resolve_options(overrides, self.cfg, credential)
+
+    def paraphraser(self, options: PromptOptions) -> ParaphraseMechanism:
+        """The ``paraphrase`` mechanism at ``options.epsilon`` per output token, with the config's
+        width and cap (``paraphrase_width``, ``paraphrase_max_tokens``)."""
+        return ParaphraseMechanism(options.epsilon, self.cfg.paraphrase_width, self.cfg.paraphrase_max_tokens)
+
+    @staticmethod
+    def paraphrase_receipt(mechanism: ParaphraseMechanism, texts: int) -> PromptReceipt:
+        """The receipt of ``texts`` rewrites of one prompt: the composition over ``texts *
+        max_tokens`` released output tokens (``tokens_privatized`` counts those, whatever the
+        rewrites' lengths); every rewrite is a new release (its keyed seed makes a repeated text
+        give the same rewrite, so a repeat reveals nothing new, but it is counted again)."""
+        count = texts * mechanism.max_tokens
+        whole = make_receipt(mechanism.guarantee, count, mechanism.advanced_slack)
+        return PromptReceipt(mode="tokens", mechanism=PARAPHRASE, valid=True, statement=whole.statement,
+                             epsilon_token=mechanism.epsilon, delta_token=0.0, tokens_privatized=count,
+                             tokens_new=count, tokens_reused=0, prompt=whole, spent=whole)
 
     def privatizer(self, options: PromptOptions) -> TokenPrivatizer:
         """The calibrated privatizer of (mechanism, epsilon, delta), built once and cached (LRU)."""

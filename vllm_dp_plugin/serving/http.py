@@ -321,8 +321,23 @@ class DPPrivacyEndpoints:
         if "context" in features:
             state.dp_contexts = tuple(c.name for c in private_contexts(vllm_config))
         state.dp_prompt = cfg.prompt
+        if cfg.prompt is not None and hasattr(getattr(engine_client, "renderer", None), "attach_engine"):
+            engine_client.renderer.attach_engine(engine_client, await paraphrase_refusal(engine_client))
         state.dp_routes = allowed_post(features)
         logger.info("vllm-dp: privacy budget %s", json.dumps(_payload(state.dp_budget)))
+
+
+async def paraphrase_refusal(engine_client) -> str | None:
+    """Why paraphrase rewrites cannot run on this engine (its workers do not all run the
+    mechanism's logits processor: ``paraphrase.check_processors``), None when they can."""
+    from .paraphrase import LOGITS_REPORT, check_processors
+
+    try:
+        check_processors(await engine_client.collective_rpc(LOGITS_REPORT))
+    except Exception as exc:  # noqa: BLE001 - fail closed: paraphrase requests get this reason
+        logger.warning("vllm-dp: prompt mechanism paraphrase is refused on this server: %s", exc)
+        return str(exc)
+    return None
 
 
 def dp_features(vllm_config, cfg) -> frozenset[str]:

@@ -13,6 +13,12 @@ scaling because vLLM accepts only temperatures in [0.01, 2] as sampling temperat
 
 ``paraphrase(llm, texts, mechanism, key=...)``: the rewrites of ``texts`` with one ``LLM``
 (``vllm.LLM``) and their receipts; the noise of each rewrite is keyed (``rewrite_seed``).
+
+Fail closed: an engine that lacks the processor would sample the raw logits at temperature 1
+(no DP at all), e.g. when an entry-point list is stale or shadowed (a stale ``*.egg-info`` in the
+working directory did exactly that), so rewrites run only on an engine whose every worker
+reports ``ParaphraseLogits`` among the processors applied before temperature
+(``LOGITS_REPORT``, a worker method the general plugin installs; ``check_processors``).
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from ..prompt.paraphrase import (
 from ..prompt.privatizer import PrivacyReceipt
 
 PARAMS_KEY = "dp_paraphrase"
+LOGITS_REPORT = "dp_privacy_logits_processors"  # the worker method's name
 MAX_SCALE = 1e30  # float32-safe eps / (2 w): the top score stays 0 (never 0 * inf), the rest ~ -inf
 NEUTRAL = {  # every SamplingParams field that would change the sampled law, and its neutral value
     "n": 1, "top_p": 1.0, "min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
@@ -111,6 +118,38 @@ class ParaphraseLogits(LogitsProcessor):
         return logits
 
 
+def logits_report(worker) -> list[str]:
+    """(Runs in a worker.) ``module.qualname`` of the logits processors its sampler applies before
+    temperature."""
+    processors = worker.model_runner.input_batch.logitsprocs.non_argmax_invariant
+    return [f"{type(p).__module__}.{type(p).__qualname__}" for p in processors]
+
+
+def check_processors(reports) -> None:
+    """ValueError unless every worker's report (``logits_report``) holds ``ParaphraseLogits``."""
+    name = f"{ParaphraseLogits.__module__}.{ParaphraseLogits.__qualname__}"
+    if not reports or any(name not in report for report in reports):
+        raise ValueError(
+            "paraphrase: the engine's sampler does not run vllm_dp_plugin's ParaphraseLogits (entry point "
+            "vllm.logits_processors; reinstall the package, and look for a stale vllm_dp_plugin.egg-info "
+            "in the working directory), so rewrites would not be DP: refused"
+        )
+
+
+def verify_llm(llm) -> None:
+    """``check_processors`` on a ``vllm.LLM`` (once per engine); needs the dp_privacy general
+    plugin loaded (``VLLM_PLUGINS`` unset or naming it), which installs the worker method."""
+    if getattr(llm, "_dp_paraphrase_verified", False):
+        return
+    try:
+        reports = llm.collective_rpc(LOGITS_REPORT)
+    except Exception as exc:  # noqa: BLE001 - the worker method is missing: the plugin is not loaded
+        raise ValueError(f"paraphrase: cannot check the engine's logits processors ({exc}); load the "
+                         "dp_privacy plugin (VLLM_PLUGINS unset or naming dp_privacy)") from None
+    check_processors(reports)
+    llm._dp_paraphrase_verified = True
+
+
 def rewrite_params(mechanism: ParaphraseMechanism, seed: int | None, stop: str | None = STOP) -> SamplingParams:
     """The sampling parameters of one rewrite (``seed``: the keyed ``rewrite_seed``), stopped at
     ``stop`` (a function of the released tokens only) or the cap."""
@@ -144,10 +183,12 @@ def paraphrase(llm, texts: Sequence[str], mechanism: ParaphraseMechanism, *, key
     ``key``: a ``NoiseKey``; each rewrite's noise is seeded by ``rewrite_seed`` (same text, same
     settings, same rewrite). None: vLLM's own per-request randomness (tests, benchmarks with a
     seeded engine). Refused on an engine with speculative decoding (vLLM then skips custom logits
-    processors, so the clipping would not run)."""
+    processors, so the clipping would not run) and on one whose workers do not run
+    ``ParaphraseLogits`` (``verify_llm``)."""
     config = llm.llm_engine.vllm_config
     if config.speculative_config is not None:
         raise ValueError("paraphrase cannot run with speculative decoding: vLLM skips logits processors there")
+    verify_llm(llm)
     tokenizer = llm.get_tokenizer()
     prompts = [{"prompt_token_ids": rewrite_prompt_ids(tokenizer, t, template)} for t in texts]
     params = [rewrite_params(mechanism, None if key is None else rewrite_seed(key, mechanism, template, t))

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from ..config import ConfigError
+from ..prompt.paraphrase import PARAPHRASE
 from ..prompt.session import HistoryCache, PromptPrivacy, PromptReceipt
 from ..prompt.table import EmbeddingTable
 
@@ -147,7 +148,8 @@ def build_prompt_privacy(
     vLLM's additions) under ``cfg`` (``PromptPrivacyConfig``); the default privatizer is built
     now, so a configuration that cannot be calibrated fails at start-up. The nearest-candidate
     search runs on ``search_device(cfg)``: Triton top-k on CUDA, the fused C++ selection on CPU
-    where they are available (``kernels``), torch otherwise."""
+    where they are available (``kernels``), torch otherwise; with ``cfg.search`` ``hnsw`` / ``ivf``
+    the approximate faiss index over the candidate rows is built here, once (seconds; CPU)."""
     from ..kernels.nearest import default_fast_pass
     from ..kernels.nearest_select import default_select
     from ..privacy.keyed_noise import NoiseKey
@@ -159,7 +161,8 @@ def build_prompt_privacy(
     service = PromptPrivacy(table, cfg, cache, placeholder_id=placeholder_id, embed_dtype=embed_dtype,
                             device=device, fast_pass=default_fast_pass(device), select=default_select(device))
     try:
-        service.privatizer(service.options())
+        options = service.options()
+        service.paraphraser(options) if options.mechanism == PARAPHRASE else service.privatizer(options)
     except ValueError as exc:
         raise ConfigError(f"prompt: {exc}") from None
     return service, info

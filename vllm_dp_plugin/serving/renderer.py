@@ -52,6 +52,9 @@ from vllm.renderers.hf import HfRenderer
 
 from ..config import ConfigError
 from ..lru import LRU
+from ..privacy.keyed_noise import NoiseKey
+from ..prompt.paraphrase import PARAPHRASE, rewrite_seed
+from ..prompt.segments import replace_user_texts, splice
 from ..prompt.session import (
     OPTION_CONTEXT,
     PrivatizedPrompt,
@@ -73,6 +76,9 @@ RECEIPT_MARK = "_dp_receipt"  # chat prompts privatized by render_messages carry
 FULL_MARK = "_dp_full"  # text completions: (the tokenizer's ids, their private mask) from _tokenize_prompt
 RECENT_RECEIPTS = 1024
 _CHAT_TOK_PARAMS: contextvars.ContextVar = contextvars.ContextVar("vllm_dp_chat_tok_params", default=None)
+# set only around the engine calls of paraphrase rewrites (``_rewrite``): their prompt is the
+# mechanism's private input, so it is neither privatized again nor given the private context
+_REWRITING: contextvars.ContextVar[bool] = contextvars.ContextVar("vllm_dp_rewriting", default=False)
 
 
 class DPRenderer(HfRenderer):
@@ -95,6 +101,8 @@ class DPRenderer(HfRenderer):
                     "/v1/dp/budget), so requests are answered without it", " (the default)" if i == 0 else "",
                 )
         self._prompt = None
+        self._engine = None  # the API server's engine client (attach_engine): paraphrase rewrites
+        self._rewrite_refusal: str | None = None
         self._around: tuple[list[int], list[int]] | None = None  # added special ids, found lazily
         self._recent: LRU[str, dict] = LRU(RECENT_RECEIPTS)
         if cfg.prompt is not None:
@@ -137,13 +145,14 @@ class DPRenderer(HfRenderer):
             embed_dtype=model_config.dtype,
         )
         self._special = frozenset(special_token_ids(hf_tokenizer))
+        self._key = NoiseKey(cfg.key_file)  # seeds of paraphrase rewrites (rewrite_seed)
         logger.info(
             "vllm-dp: prompt privatization on (%s, eps=%g, delta=%g per token, mode %s, history "
-            "cache %s, request overrides %s, nearest-candidate search on %s): %s",
+            "cache %s, request overrides %s, nearest-candidate search %s): %s",
             p.mechanism, p.epsilon, p.delta, p.mode,
             f"{p.cache_size} segments" if p.cache_history else "off",
             "allowed" if p.allow_request_override else "refused",
-            self._prompt.device, info.describe(),
+            self._prompt.search, info.describe(),
         )
 
     # ------------------------------------------------------------------ chat
@@ -160,6 +169,11 @@ class DPRenderer(HfRenderer):
         if self._prompt is None:
             return super().render_messages(messages, params)
         request, slot, options = self._begin()
+        if options.mechanism == PARAPHRASE:
+            raise ValueError(
+                "prompt mechanism paraphrase runs in the OpenAI server (chat completions); with "
+                "vllm.LLM rewrite the texts with vllm_dp_plugin.serving.paraphrase.paraphrase first"
+            )
         marked = mark_user_texts(messages)
         text_params = _text_params(params)
         conversation, real = super().render_messages(messages, text_params)
@@ -171,12 +185,60 @@ class DPRenderer(HfRenderer):
         if self._prompt is None:
             return await super().render_messages_async(messages, params)
         request, slot, options = self._begin()
+        if options.mechanism == PARAPHRASE:
+            return await self._paraphrase_chat(messages, params, options, request, slot)
         marked = mark_user_texts(messages)
         text_params = _text_params(params)
         conversation, real = await super().render_messages_async(messages, text_params)
         _, template = await super().render_messages_async(marked.messages, text_params)
         done = await self._offload(self._privatize_chat, marked, real, template, options, self._chat_tok_params())
         return conversation, self._chat_prompt(done, request, slot)
+
+    async def _paraphrase_chat(self, messages, params, options, request, slot):
+        """``paraphrase``: every user text is rewritten by the served engine (``_rewrite``); the
+        chat with the rewrites is rendered and tokenised as the token path does, and every token
+        of it is public from then on (the rewrites are the DP release)."""
+        mechanism = self._prompt.paraphraser(options)
+        marked = mark_user_texts(messages)
+        rewrites = [await self._rewrite(text, mechanism) for text in marked.texts]
+        text_params = _text_params(params)
+        conversation, real = await super().render_messages_async(replace_user_texts(marked, rewrites), text_params)
+        _, template = await super().render_messages_async(marked.messages, text_params)
+        tok_params = self._chat_tok_params()
+        segments = segment_chat(dataclasses.replace(marked, texts=rewrites), real["prompt"], template["prompt"],
+                                self._encode, truncation=lambda count: tok_params._truncation_slice(self.tokenizer, count),
+                                max_tokens=tok_params.max_input_tokens)
+        ids, _ = splice(segments)
+        receipt = self._prompt.paraphrase_receipt(mechanism, len(rewrites))
+        self._record(receipt, request, slot)
+        return conversation, {"prompt_token_ids": ids, RECEIPT_MARK: receipt}
+
+    async def _rewrite(self, text: str, mechanism) -> str:
+        """One rewrite of ``text`` by the served engine (``serving.paraphrase``), keyed noise."""
+        from .paraphrase import rewrite_params, rewrite_prompt_ids
+
+        if self._engine is None:
+            raise ValueError("prompt mechanism paraphrase needs the OpenAI server's engine (vllm serve)")
+        if self._rewrite_refusal is not None:
+            raise ValueError(self._rewrite_refusal)
+        if self._engine.vllm_config.speculative_config is not None:  # vLLM skips logits processors there
+            raise ValueError("prompt mechanism paraphrase cannot run with speculative decoding")
+        template = self._prompt.cfg.paraphrase_template
+        params = rewrite_params(mechanism, rewrite_seed(self._key, mechanism, template, text))
+        final = None
+        token = _REWRITING.set(True)
+        try:
+            async for output in self._engine.generate({"prompt_token_ids": rewrite_prompt_ids(self.tokenizer, text, template)},
+                                                      params, f"dp-rewrite-{os.urandom(8).hex()}"):
+                final = output
+        finally:
+            _REWRITING.reset(token)
+        return final.outputs[0].text.strip()
+
+    def attach_engine(self, engine_client, refusal: str | None = None) -> None:
+        """The API server's engine client, which paraphrase rewrites run on (``http.init_state``);
+        ``refusal``: why they cannot (its workers lack the mechanism's logits processor)."""
+        self._engine, self._rewrite_refusal = engine_client, refusal
 
     def _chat_tok_params(self):
         """The ``TokenizeParams`` vLLM will check and truncate this chat with (``render_chat``)."""
@@ -232,7 +294,7 @@ class DPRenderer(HfRenderer):
     def _privatize_cmpl(self, prompt, tok_params, *, asynchronous: bool):
         """Completions: replace the private ids of ``prompt`` in place (the receipt, or with
         ``asynchronous`` a partial computing it). Chat prompts come privatized already."""
-        if self._prompt is None:
+        if self._prompt is None or _REWRITING.get():
             return None
         if RECEIPT_MARK in prompt:
             if getattr(tok_params, "add_special_tokens", False):
@@ -253,6 +315,8 @@ class DPRenderer(HfRenderer):
         prompt.pop("prompt_token_offsets", None)
         detokenize = bool(getattr(tok_params, "needs_detokenization", False))  # echo
         request, slot, options = self._begin()
+        if options.mechanism == PARAPHRASE:
+            raise ValueError("prompt mechanism paraphrase rewrites chat messages: use /v1/chat/completions")
         job = functools.partial(self._complete_cmpl, prompt, segments, options, request, slot, detokenize)
         return job if asynchronous else job()
 
@@ -309,6 +373,8 @@ class DPRenderer(HfRenderer):
         logger.info("vllm-dp: prompt privatized %s", receipt_log_line(receipt))
 
     def _finish(self, engine_input, receipt):
+        if _REWRITING.get():  # a rewrite's prompt: no private context
+            return engine_input
         engine_input = self._with_context(engine_input)
         if receipt is not None:
             ids = engine_input.get("prompt_token_ids")

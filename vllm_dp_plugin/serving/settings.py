@@ -345,4 +345,11 @@ def prompt_payload(prompt_cfg) -> dict:
             else "none: every request is noised afresh"
         ),
         "receipts": "per request: header x-dp-prompt-receipts and field dp_prompt_receipts",
+        "paraphrase": {  # mechanism paraphrase (the default or a request's dp_mechanism)
+            "unit": "one user message (any two messages, its length included)",
+            "epsilon": "per output token of the rewrite (dp_epsilon / prompt.epsilon)",
+            "width": prompt_cfg.paraphrase_width,
+            "max_tokens": prompt_cfg.paraphrase_max_tokens,
+            "template": prompt_cfg.paraphrase_template,
+        },
     }
