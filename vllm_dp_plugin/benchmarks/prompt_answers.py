@@ -483,9 +483,10 @@ def example_picks(questions: Sequence[Question]) -> list[int]:
 # --------------------------------------------------------------------------- driver
 def start_engine(model: str):
     """The offline engine, in this process's control (CPU vLLM spawns its workers: run under a
-    ``__main__`` guard). Stock vLLM (``VLLM_PLUGINS`` empty unless set): privatization happens
-    before the engine here."""
-    os.environ.setdefault("VLLM_PLUGINS", "")
+    ``__main__`` guard). With the dp_privacy general plugin (``VLLM_PLUGINS`` unless set): without
+    a dp_privacy section it changes nothing, and it installs the worker method the paraphrase row's
+    fail-closed check calls; the token mechanisms privatize before the engine."""
+    os.environ.setdefault("VLLM_PLUGINS", "dp_privacy")
     from vllm_dp_plugin.serving.vllm_compat import install_version_shim
 
     install_version_shim()

@@ -24,6 +24,7 @@ reports ``ParaphraseLogits`` among the processors applied before temperature
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -141,6 +142,10 @@ def verify_llm(llm) -> None:
     plugin loaded (``VLLM_PLUGINS`` unset or naming it), which installs the worker method."""
     if getattr(llm, "_dp_paraphrase_verified", False):
         return
+    plugins = os.environ.get("VLLM_PLUGINS")
+    if plugins is not None and "dp_privacy" not in plugins.split(","):
+        raise ValueError(f"paraphrase: VLLM_PLUGINS={plugins!r} leaves out the dp_privacy plugin, which installs "
+                         "the workers' check of the logits processor: refused")
     try:
         reports = llm.collective_rpc(LOGITS_REPORT)
     except Exception as exc:  # noqa: BLE001 - the worker method is missing: the plugin is not loaded
