@@ -158,13 +158,6 @@ def test_metric_rows_guarantee_the_grid_eps(demo, demo_bench):
     assert bench.service_epsilon(demo_bench, "laplace", 20.0) == 20.0
 
 
-def test_paper_effective_dim_matches_bench_prompt():
-    from vllm_dp_plugin.benchmarks import prompt
-
-    for eps in (1.0, 5.0, 12.0, 20.0, 50.0, 200.0):
-        assert bench.paper_effective_dim(eps, 576) == prompt.paper_effective_dim(eps, 576)
-
-
 def test_a_failing_calibration_is_a_row_not_a_crash(demo, demo_bench):
     questions = bench.build_questions(demo[1], [SCENARIO])[:1]
     with pytest.raises(ValueError):

@@ -78,7 +78,11 @@ from vllm_dp_plugin.benchmarks.lib.report import (
 )
 from vllm_dp_plugin.benchmarks.lib.report import table as md_table
 from vllm_dp_plugin.privacy.mechanisms import NotDifferentiallyPrivateWarning
-from vllm_dp_plugin.privacy.trlaplace import REPO_DELTA_ROOT, repo_effective_dim
+from vllm_dp_plugin.privacy.trlaplace import (
+    REPO_DELTA_ROOT,
+    paper_effective_dim,
+    repo_effective_dim,
+)
 from vllm_dp_plugin.prompt import (
     MECHANISMS,
     EmbeddingTable,
@@ -263,15 +267,6 @@ class SentenceEncoder:
 
 
 # --------------------------------------------------------------------------- mechanisms
-def paper_effective_dim(epsilon: float, dim: int) -> int:
-    """Remark 1's dummy dimension for ``trlap_paper`` (claimed delta 4^-d_eff): the smallest
-    d_eff >= d with Thm 3's condition ``eps <= 2 delta^(1/d_eff) sqrt(d_eff)``, i.e. 4 eps^2."""
-    need = math.ceil((epsilon / (2.0 * REPO_DELTA_ROOT)) ** 2)
-    while epsilon / (2.0 * REPO_DELTA_ROOT * math.sqrt(need)) > 1.0:  # float rounding
-        need += 1
-    return max(dim, need)
-
-
 def rescale_metric(base: MahalanobisMechanism, epsilon_dp: float) -> MahalanobisMechanism:
     """``base`` (a metric-DP mechanism) re-calibrated to the converted per-token guarantee
     ``epsilon_dp = eps_m * Delta_2``: same noise law as ``token_mechanism(name, table, eps_m)``

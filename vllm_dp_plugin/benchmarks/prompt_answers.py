@@ -96,6 +96,7 @@ from vllm_dp_plugin.benchmarks.lib.scenarios import (
     is_correct,
     load_scenarios,
 )
+from vllm_dp_plugin.privacy.trlaplace import paper_effective_dim
 from vllm_dp_plugin.prompt.mechanisms import MECHANISMS
 from vllm_dp_plugin.prompt.segments import Segment, mark_user_texts, segment_chat
 
@@ -109,7 +110,6 @@ REPRODUCTION = ("trlap_paper", "trlap_repro")
 NEEDS_DIAMETER = ("gaussian_analytic", "expmech", "cmp")  # the table's exact l2 diameter
 DEFAULT_EPS = (5.0, 10.0, 20.0, 50.0, 100.0, 200.0)
 MAHALANOBIS_LAMBDA = 0.5  # what the service's token_mechanism uses (its default)
-REPO_DELTA_ROOT = 0.25  # delta^(1/d) of the paper's Thm 3 (privacy.trlaplace.REPO_DELTA_ROOT)
 EXAMPLE_EPS = (10.0, 50.0, 200.0)
 MAX_MODEL_LEN = 2048
 # The engine of every row (the serving benchmarks' settings, a smaller share of device memory).
@@ -300,15 +300,6 @@ def noise_seed(seed: int, mechanism: str, eps: float, question: str) -> bytes:
 def metric_epsilon(eps: float, diameter: float) -> float:
     """Metric epsilon whose converted per-token guarantee ``eps_m * Delta`` is ``eps``."""
     return eps / diameter
-
-
-def paper_effective_dim(epsilon: float, dim: int) -> int:
-    """Remark 1's dummy dimension for ``trlap_paper``: the smallest d_eff >= d with Thm 3's
-    condition ``eps <= 2 delta^(1/d_eff) sqrt(d_eff)`` (as ``bench prompt`` runs it)."""
-    need = math.ceil((epsilon / (2.0 * REPO_DELTA_ROOT)) ** 2)
-    while epsilon / (2.0 * REPO_DELTA_ROOT * math.sqrt(need)) > 1.0:  # float rounding
-        need += 1
-    return max(dim, need)
 
 
 def service_epsilon(bench: Bench, mechanism: str, eps: float) -> float:

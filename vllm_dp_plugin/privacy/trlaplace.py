@@ -70,6 +70,15 @@ def trlaplace_mechanism(
     raise ValueError(f"unknown TrLaplace calibration {calibration!r}; use corrected, paper or repo")
 
 
+def paper_effective_dim(epsilon: float, dim: int) -> int:
+    """Remark 1's dummy dimension for ``trlap_paper`` (claimed delta 4^-d_eff): the smallest
+    d_eff >= d with Thm 3's condition ``eps <= 2 delta^(1/d_eff) sqrt(d_eff)``, i.e. 4 eps^2."""
+    need = math.ceil((epsilon / (2.0 * REPO_DELTA_ROOT)) ** 2)
+    while epsilon / (2.0 * REPO_DELTA_ROOT * math.sqrt(need)) > 1.0:  # float rounding
+        need += 1
+    return max(dim, need)
+
+
 def repo_effective_dim(epsilon: float, dim: int) -> int:
     """The authors' code: ``if eps > 8.6: embs_dim = 500 if eps == 10 else 1700``."""
     if epsilon > 8.6:
