@@ -53,10 +53,24 @@ def llama(seed: int = 0, tied: bool = True, dtype=torch.float64) -> nn.Module:
     return LlamaForCausalLM(config).to(dtype)
 
 
+def llama_lora(seed: int = 0) -> nn.Module:
+    """The tied Llama with peft LoRA adapters on q/v/up/down (r = 3, the only trainable
+    parameters); lora_B random (peft starts it at 0, which would zero lora_A's gradients)."""
+    from vllm_dp_plugin.trainer.lora import LoraSpec, apply_lora
+
+    model = apply_lora(llama(seed), LoraSpec(r=3, alpha=6.0, target_modules=("q_proj", "v_proj", "up_proj", "down_proj")))
+    torch.manual_seed(seed + 1)
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            nn.init.normal_(param, std=0.3)
+    return model
+
+
 MODELS = {
     "gpt2": gpt2,
     "llama_tied": lambda: llama(tied=True),
     "llama_untied": lambda: llama(tied=False),
+    "llama_lora": llama_lora,
 }
 
 
@@ -137,7 +151,11 @@ def test_norms_and_clipped_sums_equal_brute_force(name, clipping):
     norms = engine_step(model, config, [batch])
     torch.testing.assert_close(norms, sample_norms(truth), rtol=RTOL, atol=0)
     want = clipped_mean(truth, sample_norms(truth), config)
+    assert want.keys() == {n for n, p in model.named_parameters() if p.requires_grad}
     for param_name, param in model.named_parameters():
+        if not param.requires_grad:
+            assert param.grad is None, param_name  # frozen (LoRA's base): never written
+            continue
         rtol = FLOAT32_RTOL if param_name.endswith("norm.weight") and name.startswith("llama") else RTOL
         scale = want[param_name].abs().max().item()  # near-zero entries: error relative to the largest
         torch.testing.assert_close(param.grad, want[param_name], rtol=rtol, atol=rtol * scale, msg=param_name)
@@ -187,6 +205,27 @@ def test_noise_is_gaussian_with_std_sigma_c_over_b():
     assert stats.kstest(everything.numpy(), "norm").pvalue > 1e-3
     tied = noise["transformer.wte.weight"].flatten() / scale  # also lm_head.weight: one Parameter
     assert stats.kstest(tied.numpy(), "norm").pvalue > 1e-3
+
+
+def test_noise_chunks_are_independent_gaussian_streams(monkeypatch):
+    """With many small chunks (each its own keyed generator, filled on several threads) the noise
+    is still N(0, (sigma C/B)^2) coordinate-wise, no two chunks repeat a stream, and the seed
+    reproduces it whatever the thread scheduling."""
+    from vllm_dp_plugin.trainer import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "NOISE_CHUNK", 64)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    config = DPConfig(noise_multiplier=0.9, expected_batch_size=3, clip_norm=1.1, seed=2)
+    noise = noise_only_grads(llama(dtype=torch.float32), config)
+    scale = config.noise_multiplier * config.clip_norm / config.expected_batch_size
+    flat = torch.cat([g.flatten() for g in noise.values()]) / scale
+    assert stats.kstest(flat.numpy(), "norm").pvalue > 1e-3
+    chunks = flat[: flat.numel() // 64 * 64].view(-1, 64)
+    assert len(chunks) > 50 and len({tuple(c[:4].tolist()) for c in chunks}) == len(chunks)
+    lag = torch.corrcoef(torch.stack([chunks[:-1].flatten(), chunks[1:].flatten()]))[0, 1]
+    assert abs(float(lag)) < 4 / math.sqrt(chunks[1:].numel())  # neighbouring chunks uncorrelated
+    again = noise_only_grads(llama(dtype=torch.float32), config)
+    assert all(torch.equal(noise[k], again[k]) for k in noise)
 
 
 def test_noise_repeats_with_the_seed_only():

@@ -140,3 +140,59 @@ def test_secure_training_spends_the_target_at_integer_orders(tmp_path, tiny_llam
     assert result["secure_release"]["noise_multiplier"] >= result["noise_multiplier"]
     assert result["noise_multiplier"] >= plan_run(config(tiny_llama, tmp_path), result["records"]).noise_multiplier
     assert json.loads((tmp_path / REPORT).read_text()) == result
+
+
+def test_lora_options_are_validated_with_their_names(tmp_path, tiny_llama):
+    good = tmp_path / "lora.yaml"
+    good.write_text("model: m\noutput_dir: o\nlora: {r: 4, alpha: 8, target_modules: [q_proj, v_proj]}\n")
+    spec = TrainConfig.from_file(good).lora
+    assert (spec.r, spec.alpha, spec.target_modules, spec.dropout) == (4, 8, ("q_proj", "v_proj"), 0.0)
+    for bad, match in [({"r": 0}, "lora.r"), ({"alpha": -1}, "lora.alpha"), ({"rank": 4}, r"unknown option\(s\) \['rank'\]"),
+                       ({"target_modules": "q_proj"}, "lora.target_modules"), ({"dropout": 1.0}, "lora.dropout"),
+                       ([4], "lora must be a mapping")]:
+        with pytest.raises(ValueError, match=match):
+            config(tiny_llama, tmp_path, lora=bad)
+    with pytest.raises(ValueError, match=r"lora.target_modules \['c_attn'\] match no nn.Linear"):
+        train(config(tiny_llama, tmp_path, lora={"target_modules": ["c_attn"]}), progress=False)
+
+
+def test_lora_run_exports_the_adapter_and_the_merged_model(tmp_path, tiny_llama):
+    """Only the adapter trains (the base weights stay as they were), the report states the LoRA
+    spec with the same guarantee, the adapter directory is peft's (vLLM's LoRA format) and the
+    merged model equals base + adapter."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    cfg = config(tiny_llama, tmp_path, lora={"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]},
+                 learning_rate=0.05)
+    result = train(cfg, progress=False)
+    assert result["private"] is True and 0.97 * cfg.epsilon <= result["epsilon"] <= cfg.epsilon
+    assert result["lora"] == {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"], "dropout": 0.0}
+    adapter = tmp_path / "adapter"
+    assert json.loads((adapter / REPORT).read_text()) == result == json.loads((tmp_path / REPORT).read_text())
+    peft_config = json.loads((adapter / "adapter_config.json").read_text())
+    assert peft_config["r"] == 4 and sorted(peft_config["target_modules"]) == ["q_proj", "v_proj"]
+    weights = load_file(adapter / "adapter_model.safetensors")
+    assert weights and all("lora_A" in k or "lora_B" in k for k in weights)
+    assert any("lora_B" in k and v.abs().max() > 0 for k, v in weights.items())  # it trained
+
+    start = AutoModelForCausalLM.from_pretrained(tiny_llama[0])
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
+    assert torch.equal(exported.model.norm.weight, start.model.norm.weight)  # frozen base
+    assert not torch.equal(exported.model.layers[0].self_attn.q_proj.weight, start.model.layers[0].self_attn.q_proj.weight)
+    ids = torch.randint(3, 2000, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = PeftModel.from_pretrained(start, adapter)(input_ids=ids).logits
+        torch.testing.assert_close(exported(input_ids=ids).logits, want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_non_private_baseline_says_so(tmp_path, tiny_llama):
+    result = train(config(tiny_llama, tmp_path, private=False), progress=False)
+    assert result["private"] is False and result["epsilon"] is None and "NOT differentially private" in result["unit"]
+    assert "noise_multiplier" not in result
+    assert json.loads((tmp_path / "model" / REPORT).read_text()) == result
+    with pytest.raises(ValueError, match="private: false"):
+        config(tiny_llama, tmp_path, private=False, secure_mode=True)
+    with pytest.raises(ValueError, match="private must be true or false"):
+        config(tiny_llama, tmp_path, private="no")

@@ -40,6 +40,7 @@ from .engine import (
     noise_generator,
     warmup_linear_decay_scheduler,
 )
+from .lora import LoraSpec, apply_lora, merged, save_adapter
 from .reattention import (
     ReAttentionConfig,
     apply_reattention,
@@ -49,6 +50,7 @@ from .reattention import (
 from .sampling import PoissonSampler, virtual_batches
 
 CHECKPOINT = "checkpoint.pt"
+ADAPTER = "adapter"
 REPORT = "dp_training.json"
 PUBLIC_CORPUS = "pydoc_data.topics"
 
@@ -81,8 +83,16 @@ class TrainConfig:
     frequency_noise: float = 20.0  # noise multiplier of the DP histogram of p_v (Re-Attention only)
     checkpoint_every: int = 50  # steps
     secure_mode: bool = False  # grid + discrete Gaussian release of each step (module docstring)
+    lora: LoraSpec | None = None  # {r, alpha, target_modules, dropout}: DP LoRA instead of full fine-tuning
+    private: bool = True  # false: the NON-private baseline (same sampler and schedule, no clipping or noise)
 
     def __post_init__(self) -> None:
+        if self.lora is not None:
+            object.__setattr__(self, "lora", LoraSpec.parse(self.lora))
+        if not isinstance(self.private, bool):
+            raise ValueError(f"private must be true or false, got {self.private!r}")  # noqa: TRY004
+        if not self.private and (self.secure_mode or self.reattention):
+            raise ValueError("private: false (the non-private baseline) excludes secure_mode and reattention")
         check_epsilon(self.epsilon, "epsilon")
         if self.delta is not None:
             check_delta(self.delta, "delta")
@@ -203,6 +213,8 @@ def plan_run(config: TrainConfig, records: int) -> Plan:
                              "raise frequency_noise or epsilon")
     epsilon = config.epsilon - (histogram.epsilon if histogram else 0.0)
     accountant = "rdp_integer" if config.secure_mode else config.accountant
+    if not config.private:
+        return Plan(records, rate, steps, 0.0, delta, "none (not private)")
     sigma = noise_multiplier_for(epsilon, delta, rate, steps, accountant=accountant)
     return Plan(records, rate, steps, sigma, delta, accountant, histogram)
 
@@ -224,12 +236,14 @@ def train(config: TrainConfig, progress: bool = True, stop_after: int | None = N
     model.config.use_cache = False
     data = make_records(documents(config.data), tokenizer, config.seq_len)
     plan = plan_run(config, len(data))
+    if config.lora is not None:
+        model = apply_lora(model, config.lora)
 
     engine = DPEngine(model, DPConfig(
         clip_norm=config.clip_norm, noise_multiplier=plan.noise_multiplier,
         expected_batch_size=config.batch_size, clipping=config.clipping, seed=config.seed,
         secure_mode=config.secure_mode,
-    ))
+    )) if config.private else None
     state = _checkpoint(out / CHECKPOINT, config)
     token_p = None
     if config.reattention:  # released once: a resumed run reuses the checkpoint's release
@@ -238,36 +252,47 @@ def train(config: TrainConfig, progress: bool = True, stop_after: int | None = N
                                                    token_p=token_p, lam=config.reattention_lambda))
     optimizer = _optimizer(config, model)
     scheduler = warmup_linear_decay_scheduler(optimizer, plan.steps, config.warmup_frac)
-    accountant = TrainingAccountant(plan.noise_multiplier, plan.sample_rate, plan.delta, accountant=plan.accountant)
+    accountant = (TrainingAccountant(plan.noise_multiplier, plan.sample_rate, plan.delta, accountant=plan.accountant)
+                  if config.private else None)
     sampler = PoissonSampler(len(data), plan.sample_rate, plan.steps, seed=config.seed)
     start = _restore(state, model, optimizer, scheduler, sampler, engine) if state else 0
-    if start:
+    if start and accountant:
         accountant.step(start)
 
     model.train()
-    bar = tqdm(total=plan.steps, initial=start, desc="DP training", unit="step", disable=not progress)
+    bar = tqdm(total=plan.steps, initial=start, desc="DP training" if config.private else "NON-private training",
+               unit="step", disable=not progress)
+    spent = (lambda: accountant.epsilon()) if accountant else (lambda: math.inf)
     for step, batch in enumerate(sampler):
         if step < start:
             continue  # already trained (resume): the draw is replayed, not re-spent
-        loss = _accumulate(model, engine, data, batch, config.max_physical_batch)
-        engine.finish_step()
+        loss = _accumulate(model, engine, data, batch, config.max_physical_batch, config.batch_size)
+        if engine:
+            engine.finish_step()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
-        accountant.step()
+        if accountant:
+            accountant.step()
         bar.update(1)
-        bar.set_postfix(loss=f"{loss:.3f}", eps=f"{accountant.epsilon():.2f}", batch=len(batch))
+        bar.set_postfix(loss=f"{loss:.3f}", eps=f"{spent():.2f}", batch=len(batch))
         done = step + 1
         if done < plan.steps and (done % config.checkpoint_every == 0 or done - start == stop_after):
             _save(out / CHECKPOINT, config, model, optimizer, scheduler, sampler, engine, token_p, done)
         if done < plan.steps and done - start == stop_after:
             bar.close()
-            return {"stopped_at": done, "steps": plan.steps, "epsilon": accountant.epsilon()}
+            return {"stopped_at": done, "steps": plan.steps, "epsilon": spent()}
     bar.close()
-    engine.detach()
+    if engine:
+        engine.detach()
     if config.reattention:
         remove_reattention(model)  # served models run plain attention (README: DP training)
-    return export(model, tokenizer, out, report(config, plan, accountant, engine.secure_release))
+    privacy = report(config, plan, accountant, engine.secure_release if engine else None)
+    if config.lora is not None:
+        save_adapter(model, out / ADAPTER)
+        _write_report(out / ADAPTER, privacy)
+        model = merged(model)
+    return export(model, tokenizer, out, privacy)
 
 
 def _release_frequencies(config: TrainConfig, plan: Plan, data: Records, model) -> torch.Tensor:
@@ -290,25 +315,30 @@ def _optimizer(config: TrainConfig, model: torch.nn.Module) -> torch.optim.Optim
     return torch.optim.SGD(params, lr=config.learning_rate, weight_decay=config.weight_decay)
 
 
-def _accumulate(model, engine: DPEngine, data: Records, batch: torch.Tensor, physical: int) -> float:
-    """Forward + clipped backward of ``batch`` in physical chunks; mean loss (nan if empty)."""
+def _accumulate(model, engine: DPEngine | None, data: Records, batch: torch.Tensor, physical: int,
+                expected_batch: int) -> float:
+    """Forward + clipped backward of ``batch`` in physical chunks (no engine: the plain gradient of
+    ``sum_i L_i / B``, the non-private baseline); mean loss (nan if empty)."""
     total, count = 0.0, 0
     for chunk in virtual_batches(batch, physical):
         inputs = data.batch(chunk)
         logits = model(**inputs).logits
         loss = causal_lm_per_sample_loss(logits, data.labels[chunk])
-        engine.backward(loss)
+        if engine:
+            engine.backward(loss)
+        else:
+            (loss.sum() / expected_batch).backward()
         total, count = total + float(loss.detach().sum()), count + len(chunk)
     return total / count if count else math.nan
 
 
-def _save(path: Path, config, model, optimizer, scheduler, sampler: PoissonSampler, engine: DPEngine,
+def _save(path: Path, config, model, optimizer, scheduler, sampler: PoissonSampler, engine: DPEngine | None,
           token_p: torch.Tensor | None, step: int) -> None:
     """Atomic checkpoint. It holds the sampler seed and the noise generator's state, which must
     stay as secret as the data (with them, the noise of the remaining steps is predictable), and
     Re-Attention's released ``token_p`` (reused on resume, never released twice)."""
     state = {"config": dataclasses.asdict(config), "step": step, "sampler_seed": sampler.seed,
-             "noise_state": engine.noise_state(), "token_p": token_p,
+             "noise_state": engine.noise_state() if engine else None, "token_p": token_p,
              "model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}
     tmp = path.with_suffix(".tmp")
     torch.save(state, tmp)
@@ -325,23 +355,35 @@ def _checkpoint(path: Path, config: TrainConfig) -> dict | None:
     return state
 
 
-def _restore(state: dict, model, optimizer, scheduler, sampler: PoissonSampler, engine: DPEngine) -> int:
+def _restore(state: dict, model, optimizer, scheduler, sampler: PoissonSampler, engine: DPEngine | None) -> int:
     """Load a checkpoint's training state; returns the steps already done. The noise generator
     continues where it stopped: a seeded run never reuses a noise draw."""
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     sampler.seed = state["sampler_seed"]
-    engine.set_noise_state(state["noise_state"])
+    if engine:
+        engine.set_noise_state(state["noise_state"])
     return int(state["step"])
 
 
-def report(config: TrainConfig, plan: Plan, accountant: TrainingAccountant,
+def report(config: TrainConfig, plan: Plan, accountant: TrainingAccountant | None,
            secure_release: GridGaussian | None) -> dict:
     """The privacy statement of the run, in the units the guarantee is about. With Re-Attention
     the p_v histogram is a second release on the same records: the totals add both (basic
     composition) and each part is listed. ``secure_release``: the engine's grid release in
-    secure mode (its grid, integer sigma and sensitivity are recorded)."""
+    secure mode (its grid, integer sigma and sensitivity are recorded). ``accountant=None``: the
+    non-private baseline, stated as such (epsilon null)."""
+    run = {
+        "records": plan.records,
+        "sample_rate": plan.sample_rate,
+        "steps": plan.steps,
+        "optimizer": config.optimizer,
+        **({} if config.lora is None else {"lora": config.lora.report()}),
+    }
+    if accountant is None:
+        return {"private": False, "epsilon": None, "delta": None,
+                "unit": "none: NOT differentially private (baseline run without clipping or noise)", **run}
     training, frequencies = accountant.epsilon(), plan.frequencies
     extra = {} if frequencies is None else {
         "training": {"epsilon": training, "delta": plan.delta},
@@ -349,34 +391,36 @@ def report(config: TrainConfig, plan: Plan, accountant: TrainingAccountant,
                                     "mechanism": frequencies.name, "noise_multiplier": config.frequency_noise},
     }
     return {
+        "private": True,
         "epsilon": training + (frequencies.epsilon if frequencies else 0.0),
         "delta": plan.delta + (frequencies.delta if frequencies else 0.0),
         **extra,
         "target_epsilon": config.epsilon,
         "unit": f"one training record (a window of <= {config.seq_len} tokens of one document), "
                 "add/remove neighbours under Poisson sampling",
-        "records": plan.records,
-        "sample_rate": plan.sample_rate,
-        "steps": plan.steps,
+        **run,
         "noise_multiplier": plan.noise_multiplier,
         "clip_norm": config.clip_norm,
         "clipping": config.clipping,
         "accountant": plan.accountant,
-        "optimizer": config.optimizer,
         "reattention": config.reattention,
         "secure_mode": config.secure_mode,
         **({} if secure_release is None else {"secure_release": secure_release.report()}),
     }
 
 
+def _write_report(directory: Path, privacy: dict) -> None:
+    (directory / REPORT).write_text(json.dumps(privacy, indent=2) + "\n")
+
+
 def export(model, tokenizer, out: Path, privacy: dict) -> dict:
     """A standard Hugging Face directory ``out/model`` (safetensors + tokenizer) that
-    ``vllm-dp serve`` serves as is, plus ``dp_training.json`` beside and inside it."""
+    ``vllm-dp serve`` serves as is, plus ``dp_training.json`` beside and inside it (a LoRA run
+    also wrote ``out/adapter``; ``out/model`` is then the merged model)."""
     model_dir = out / "model"
     model.save_pretrained(model_dir, safe_serialization=True)
     tokenizer.save_pretrained(model_dir)
-    text = json.dumps(privacy, indent=2)
-    for path in (out / REPORT, model_dir / REPORT):
-        path.write_text(text + "\n")
+    for directory in (out, model_dir):
+        _write_report(directory, privacy)
     (out / CHECKPOINT).unlink(missing_ok=True)
     return privacy

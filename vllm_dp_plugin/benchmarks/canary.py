@@ -1,0 +1,272 @@
+"""Canary exposure and validation perplexity of DP fine-tuning a real model (issue 21).
+
+Data: Python's bundled documentation (``pydoc_data.topics``, public), split by document into a
+held-out validation part (``--val-records`` windows) and a training part, into which
+``--per-level`` canaries ``"<person>'s PIN is <4 random digits>."`` are inserted for each
+``--repetitions`` count, every repetition its own document (``trainer.canary``). Each run
+fine-tunes ``--model`` with ``vllm-dp train``'s code path (LoRA by default, ``--full`` for full
+fine-tuning with Phantom Clipping) on the same records, sampler and schedule:
+
+* ``base``: the model as downloaded (no fine-tuning): the chance level of exposure and the
+  perplexity the fine-tuning should improve;
+* ``non-private``: the same training without clipping or noise;
+* ``dp eps=<e>``: DP-Adam at each ``--epsilons`` value, delta = 1 / (2N) per training record.
+
+Metrics: validation perplexity (and the fraction of the non-private run's log-perplexity gain a
+run keeps), and each canary's rank among all 10**digits candidates and its exposure in bits
+(``log2 C - log2 rank``; chance: a uniformly random rank, mean ~1.44 bits, P(exposure >= x) =
+2**-x). Writes ``canary-<model>-<device>-<date>.{md,json,png}`` into ``--out`` after every run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from vllm_dp_plugin.benchmarks.lib.cli import add_date_arg, add_out_arg, floats, ints, parse, today
+from vllm_dp_plugin.benchmarks.lib.environment import device_label, environment, loadavg
+from vllm_dp_plugin.benchmarks.lib.progress import logger
+from vllm_dp_plugin.benchmarks.lib.report import (
+    fmt,
+    pyplot,
+    save_figure,
+    suffixed,
+    table,
+    write_json,
+    write_text,
+)
+from vllm_dp_plugin.trainer.canary import (
+    canary_exposure,
+    insert_canaries,
+    make_canaries,
+    perplexity,
+)
+from vllm_dp_plugin.trainer.lora import LoraSpec
+from vllm_dp_plugin.trainer.train import TrainConfig, make_records, train
+
+MODELS = {"smollm2": ".models/smollm2-135m-instruct"}
+
+
+def model_path(name: str) -> Path:
+    path = Path(MODELS.get(name, name))
+    if not (path / "config.json").exists():
+        raise SystemExit(f"vllm-dp bench canary: no Hugging Face model at {path} (make real-models builds smollm2)")
+    return path
+
+
+def split_documents(docs: Sequence[str], tokenizer, seq_len: int, val_records: int, seed: int):
+    """``(train_docs, val_docs)``: shuffled documents, held out until their windows reach
+    ``val_records``."""
+    order = list(docs)
+    random.Random(seed).shuffle(order)
+    held, windows = 0, 0
+    while windows < val_records and held < len(order) - 1:
+        windows += len(make_records([order[held]], tokenizer, seq_len))
+        held += 1
+    return order[held:], order[:held]
+
+
+def evaluate(model, tokenizer, val, canaries) -> dict:
+    model.eval()
+    exposures = [canary_exposure(model, tokenizer, c) for c in canaries]
+    return {"perplexity": perplexity(model, val), "canaries": exposures}
+
+
+def run_config(args, data: Path, work: Path, name: str, epsilon: float | None) -> TrainConfig:
+    lora = None if args.full else LoraSpec(r=args.lora_r, alpha=2.0 * args.lora_r)
+    return TrainConfig(
+        model=str(model_path(args.model)), output_dir=str(work / name), data=str(data), seq_len=args.seq_len,
+        epsilon=epsilon or 1.0, private=epsilon is not None, epochs=args.epochs, batch_size=args.batch_size,
+        max_physical_batch=args.max_physical_batch, learning_rate=args.lr, seed=args.seed, lora=lora,
+        checkpoint_every=10**6,
+    )
+
+
+def load(directory: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+
+
+def summarize(results: dict) -> None:
+    """Per run: gain kept (of the non-private log-perplexity gain), max/mean exposure by
+    repetition count, and whether every canary is consistent with chance at 1% (Bonferroni)."""
+    base = math.log(results["runs"][0]["perplexity"])
+    np_run = next((r for r in results["runs"] if r["name"] == "non-private"), None)
+    gain = base - math.log(np_run["perplexity"]) if np_run else None
+    m = len(results["runs"][0]["canaries"])
+    for run in results["runs"]:
+        run["gain_kept"] = (base - math.log(run["perplexity"])) / gain if gain else None
+        run["at_chance"] = all(c["chance_p"] >= 0.01 / m for c in run["canaries"])
+
+
+def render_markdown(results: dict) -> str:
+    meta, s = results["meta"], results["settings"]
+    reps = sorted({c["repetitions"] for c in results["runs"][0]["canaries"]})
+    head = ["run", "epsilon", "val perplexity", "gain kept", *[f"exposure x{k} (bits)" for k in reps],
+            "all at chance (1%)"]
+    rows = []
+    for run in results["runs"]:
+        by_rep = [", ".join(fmt(c["exposure"], 2) for c in run["canaries"] if c["repetitions"] == k) for k in reps]
+        rows.append([run["name"], fmt(run.get("epsilon")) if run.get("epsilon") is not None else "-",
+                     fmt(run["perplexity"], 3), "-" if run["gain_kept"] is None else f"{100 * run['gain_kept']:.0f}%",
+                     *by_rep, "yes" if run["at_chance"] else "**no**"])
+    lines = [
+        f"# Canary exposure of DP fine-tuning: {meta['model']} ({meta['device']}, {meta['date']})",
+        "",
+        f"`{meta['command']}`",
+        "",
+        (f"{s['mode']}, {s['records']} training records of <= {s['seq_len']} tokens (Python's bundled docs + "
+        f"canaries), {s['val_records']} held-out validation windows, batch {s['batch_size']} (Poisson, q = "
+        f"{s['sample_rate']:.4f}), {s['steps']} steps, Adam lr {s['lr']}, delta = {s['delta']:.2e} per record. "
+        f"Canaries: {s['canaries']} of {s['digits']} digits ({10 ** s['digits']} candidates; exposure <= "
+        f"{s['digits'] * math.log2(10):.1f} bits; chance: mean {math.log2(math.e):.2f} bits, P(>= x) = 2^-x), "
+        f"each repetition its own record. Wall {meta['wall_s'] / 60:.0f} min, load {meta['loadavg_start']} -> "
+        f"{meta['loadavg_end']}."),
+        "",
+        table(head, rows),
+        "",
+        ("Exposure columns list each canary of that repetition count. \"gain kept\": the run's reduction of "
+        "validation log-perplexity from the base model, as a fraction of the non-private run's. \"at chance\": "
+        f"every canary's rank / {10 ** s['digits']} >= 0.01 / {len(results['runs'][0]['canaries'])} (what a "
+        "model that learnt nothing about the secrets passes with probability >= 99%). DP protects one record: "
+        "a canary repeated k times is covered by group privacy at k x epsilon."),
+        "",
+        "| run | canary | repetitions | rank | exposure (bits) |",
+        "|---|---|---|---|---|",
+    ]
+    for run in results["runs"]:
+        for c in run["canaries"]:
+            lines.append(f"| {run['name']} | {c['prefix']} | {c['repetitions']} | {c['rank']} | {c['exposure']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict, path: Path) -> None:
+    plt = pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    runs = results["runs"]
+    names = [r["name"] for r in runs]
+    reps = sorted({c["repetitions"] for c in runs[0]["canaries"]})
+    width = 0.8 / len(reps)
+    for j, k in enumerate(reps):
+        ys = [max(c["exposure"] for c in r["canaries"] if c["repetitions"] == k) for r in runs]
+        left.bar([i + j * width for i in range(len(runs))], ys, width, label=f"inserted {k}x (max)")
+    left.axhline(math.log2(math.e), color="k", ls="--", lw=1, label="chance (mean)")
+    left.set_xticks([i + 0.4 - width / 2 for i in range(len(runs))], names, rotation=20)
+    left.set_ylabel("exposure (bits)")
+    left.set_title("canary exposure")
+    left.legend(fontsize=8)
+    right.bar(names, [r["perplexity"] for r in runs], color="tab:gray")
+    right.set_ylabel("validation perplexity")
+    right.set_title("held-out Python docs")
+    right.tick_params(axis="x", rotation=20)
+    fig.suptitle(f"{results['meta']['model']}: {results['settings']['mode']}")
+    fig.tight_layout()
+    save_figure(fig, path)
+
+
+def write(results: dict, stem: Path) -> None:
+    summarize(results)
+    write_json(suffixed(stem, ".json"), results)
+    write_text(suffixed(stem, ".md"), render_markdown(results))
+    plot(results, suffixed(stem, ".png"))
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p = parser
+    p.add_argument("--model", default="smollm2", help="smollm2 or a Hugging Face Llama directory (default smollm2)")
+    p.add_argument("--epsilons", type=floats, default=(1.0, 4.0, 8.0), help="DP runs' epsilon (default 1,4,8)")
+    p.add_argument("--repetitions", type=ints, default=(1, 4, 16), help="canary insertion counts (default 1,4,16)")
+    p.add_argument("--per-level", type=int, default=2, help="canaries per insertion count (default 2)")
+    p.add_argument("--digits", type=int, default=4, help="digits of a secret (default 4: 10,000 candidates)")
+    p.add_argument("--full", action="store_true", help="full fine-tuning (Phantom Clipping) instead of LoRA")
+    p.add_argument("--lora-r", type=int, default=8, help="LoRA rank (alpha = 2r, all projections; default 8)")
+    p.add_argument("--seq-len", type=int, default=64, help="tokens per record (default 64)")
+    p.add_argument("--epochs", type=float, default=1.0, help="epochs (default 1)")
+    p.add_argument("--batch-size", type=int, default=64, help="expected batch (default 64)")
+    p.add_argument("--max-physical-batch", type=int, default=16, help="records per forward (default 16)")
+    p.add_argument("--lr", type=float, default=2e-3, help="Adam learning rate (default 2e-3)")
+    p.add_argument("--val-records", type=int, default=128, help="held-out validation windows (default 128)")
+    p.add_argument("--max-docs", type=int, default=0, help="use only this many documents (0: all; tests)")
+    p.add_argument("--seed", type=int, default=0, help="split, canaries, sampling and noise seed (default 0)")
+    p.add_argument("--work", type=Path, default=None, help="training output directories (default: a temp dir)")
+    add_out_arg(p)
+    add_date_arg(p)
+    p.add_argument("--quiet", action="store_true", help="no progress")
+    return p
+
+
+def build_parser(prog: str = "vllm-dp bench canary") -> argparse.ArgumentParser:
+    return add_cli_args(argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0]))
+
+
+def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
+    """``args``: parsed options (``add_cli_args``) or an argv list (``vllm-dp bench canary ...``)."""
+    from transformers import AutoTokenizer
+
+    from vllm_dp_plugin.demo import public_corpus
+    from vllm_dp_plugin.trainer.train import plan_run
+
+    args, argv = parse(args, build_parser)
+    args.date = today(args.date)
+    log = logger(not args.quiet)
+    path = model_path(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    docs = public_corpus()[: args.max_docs or None]
+    train_docs, val_docs = split_documents(docs, tokenizer, args.seq_len, args.val_records, args.seed)
+    val = make_records(val_docs, tokenizer, args.seq_len)
+    val = type(val)(*(t[: args.val_records] for t in (val.ids, val.labels, val.mask)))
+    canaries = make_canaries(args.repetitions, args.per_level, args.digits, args.seed)
+    start, load_start = time.perf_counter(), loadavg()
+    with tempfile.TemporaryDirectory(prefix="vllm-dp-canary-") as tmp:
+        work = args.work or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        data = work / "train.txt"
+        data.write_text("\n\n".join(d.replace("\n\n", "\n") for d in insert_canaries(train_docs, canaries, args.seed)))
+        records = len(make_records(data.read_text().split("\n\n"), tokenizer, args.seq_len))
+        plan = plan_run(run_config(args, data, work, "plan", 1.0), records)
+        label = device_label(torch.device("cpu"))
+        model_name = args.model if args.model in MODELS else path.name
+        stem = Path(args.out) / f"canary-{model_name}-{label}-{args.date}"
+        results = {
+            "settings": {"mode": "full fine-tuning" if args.full else f"LoRA r={args.lora_r}", "records": records,
+                         "seq_len": args.seq_len, "val_records": len(val), "batch_size": args.batch_size,
+                         "sample_rate": plan.sample_rate, "steps": plan.steps, "lr": args.lr, "delta": plan.delta,
+                         "epochs": args.epochs, "digits": args.digits, "canaries": len(canaries),
+                         "repetitions": list(args.repetitions)},
+            "runs": [],
+        }
+
+        def finish(run: dict) -> None:
+            results["runs"].append(run)
+            log(f"{run['name']}: perplexity {run['perplexity']:.3f}, exposures "
+                f"{[round(c['exposure'], 2) for c in run['canaries']]}")
+            results["meta"] = {"model": model_name, "device": label, "date": args.date,
+                               "command": " ".join(["vllm-dp bench canary", *(argv or [])]),
+                               "env": environment(torch.device("cpu")), "wall_s": time.perf_counter() - start,
+                               "loadavg_start": load_start, "loadavg_end": loadavg()}
+            write(results, stem)
+
+        finish({"name": "base", **evaluate(load(path), tokenizer, val, canaries)})
+        for epsilon in (None, *args.epsilons):
+            name = "non-private" if epsilon is None else f"dp eps={epsilon:g}"
+            log(f"training {name} ...")
+            t0 = time.perf_counter()
+            report = train(run_config(args, data, work, name.replace(" ", "_"), epsilon), progress=not args.quiet)
+            run = {"name": name, "epsilon": report["epsilon"], "noise_multiplier": report.get("noise_multiplier"),
+                   "train_s": time.perf_counter() - t0}
+            finish({**run, **evaluate(load(work / name.replace(" ", "_") / "model"), tokenizer, val, canaries)})
+    log(f"wrote {stem}.md, .json and .png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
