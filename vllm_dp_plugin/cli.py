@@ -36,7 +36,7 @@ BENCH_SUITES = {  # `vllm-dp bench SUITE` -> (module in vllm_dp_plugin.benchmark
     "prompt-ttft": ("prompt_ttft", "prompt privatization: overhead on vLLM time to first token"),
     "prompt-speed": ("prompt_speed", "prompt privatization: privatized tokens/s (nearest candidate, privatizer)"),
     "dpformer": ("dpformer", "DPFormer reproduction: NDCG@10/HIT@10 vs eps with and without Re-Attention"),
-    "train": ("train", "DP training: step time and peak memory vs non-private, Opacus ghost clipping, torch.func"),
+    "train": ("train", "DP training step time, peak memory vs non-private, Opacus, torch.func (--model smollm2: +LoRA)"),
     "canary": ("canary", "DP fine-tuning of a real model: canary exposure and validation perplexity vs eps"),
     "context": ("context", "private context on a chat model: shared facts kept, secret leaked, public answers vs eps"),
     "whisper": ("whisper", "Whisper tiny.en word error rate vs eps with DP cross-attention (stock, dp_off, state, tree)"),

@@ -1,5 +1,7 @@
 """``vllm-dp bench train`` (``benchmarks.train``): ``--quick`` end to end (every method row, files written), the
-verdict helpers, and the worker isolation (an error or a timeout is a row, not a crash)."""
+verdict helpers, and the worker isolation (an error or a timeout is a row, not a crash); ``--model`` on a tiny
+random tied Llama directory (full and LoRA rows, its targets, the tiny-Llama norm check, Opacus' hooks
+fallback)."""
 
 import json
 
@@ -25,9 +27,9 @@ def quick(tmp_path_factory):
 def test_quick_run_has_every_method_row(quick):
     results, text, png = quick
     rows = {r["method"]: r for r in results["methods"]}
-    assert list(rows) == list(train.METHODS)
-    for name, method in train.METHODS.items():
-        assert f"| {method.label} |" in text, name
+    assert list(rows) == train.PRESET_METHODS == [n for n, m in train.METHODS.items() if not m.lora]
+    for name in train.PRESET_METHODS:
+        assert f"| {train.METHODS[name].label} |" in text, name
     for name in ("non_private", "ours", "opacus_ghost_untied", "naive_vmap"):
         row = rows[name]
         assert row["status"] == "ok", row
@@ -114,3 +116,156 @@ def test_a_worker_past_its_timeout_is_an_error_row_and_is_stopped(quick):
     )
     row = train.run_isolated("ours", spec, timeout=0.01)
     assert row["status"] == "error: no result within 0 s" and row["label"] == train.METHODS["ours"].label
+
+
+# ---------------------------------------------------------------------------------- --model (a Llama directory)
+
+LLAMA = "tiny-llama"
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    """A random 2-layer Llama with a tied embedding, saved as a Hugging Face directory (SmolLM2's
+    layout, 512-token vocabulary)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=64, tie_word_embeddings=True,
+        bos_token_id=1, eos_token_id=2, pad_token_id=2,
+    )
+    train.torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("models") / LLAMA
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def _model_args(llama_dir, *extra):
+    return ["--model", str(llama_dir), "--batch", "2", "--seq-len", "8", "--steps", "1", "--warmup", "0", *extra]
+
+
+@pytest.fixture(scope="module")
+def model_run(llama_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("train-model")
+    assert train.main([*_model_args(llama_dir), "--out", str(out), "--date", DATE, "--quiet"]) == 0
+    stem = out / f"train-{LLAMA}-cpu-{DATE}"
+    return (
+        json.loads(stem.with_name(stem.name + ".json").read_text()),
+        stem.with_name(stem.name + ".md").read_text(),
+        stem.with_name(stem.name + ".png"),
+    )
+
+
+def test_model_run_has_full_and_lora_rows(model_run):
+    results, text, png = model_run
+    rows = {r["method"]: r for r in results["methods"]}
+    assert list(rows) == list(train.METHODS)  # --model: every method, the LoRA ones included
+    for name, method in train.METHODS.items():
+        row = rows[name]
+        assert row["lora"] == method.lora and f"| {row['label']} |" in text, name
+        if name != "opacus_ghost":
+            assert row["status"] == "ok", row
+            assert len(row["times_s"]) == 1 and row["param_bytes"] <= row["peak_bytes"] < 2**30
+    # LoRA trains the adapters only: r (d_in + d_out) per projection, 7 projections, 2 layers
+    lora = 2 * 8 * ((64 + 64) * 2 + (64 + 32) * 2 + (64 + 128) * 3)
+    assert rows["ours_lora"]["parameters"] == rows["opacus_lora"]["parameters"] == lora
+    full = 512 * 64 + 2 * (64 * 64 * 2 + 64 * 32 * 2 + 64 * 128 * 3 + 2 * 64) + 64  # the tied table once
+    assert rows["ours"]["parameters"] == rows["non_private"]["parameters"] == full
+    assert rows["opacus_ghost_untied"]["parameters"] == rows["ours"]["parameters"] + 512 * 64  # its own head
+    assert rows["opacus_lora"]["opacus_mode"] == "ghost"
+    # each row against its own baseline
+    assert rows["non_private"]["time_ratio"] == rows["non_private_lora"]["time_ratio"] == 1.0
+    assert rows["ours_lora"]["time_ratio"] == rows["ours_lora"]["step_s"] / rows["non_private_lora"]["step_s"]
+    assert results["meta"]["lora_parameters"] == lora and results["meta"]["model_path"].endswith(LLAMA)
+    assert results["meta"]["size"]["vocab"] == 512 and "(llama, tied embeddings, pretrained)" in results["meta"]["model"]
+    assert text.startswith(f"# DP training step, {LLAMA}: cpu ({DATE})")
+    assert "LoRA rows: `peft` adapters r = 8, alpha = 16 on q_proj, k_proj, v_proj, o_proj, gate_proj" in text
+    assert png.stat().st_size > 1000
+
+
+def test_model_run_targets_and_the_tied_refusal(model_run):
+    results, text, _ = model_run
+    got = {t["target"]: t for t in results["targets"]}
+    assert list(got) == [
+        "ours step time <= 1.25x non-private",
+        "ours peak memory <= 1.2x non-private",
+        "ours LoRA step time <= 1.15x non-private LoRA",
+        "ours LoRA peak memory <= 1.15x non-private LoRA",
+        "ours (tied) faster than Opacus ghost clipping, tied embeddings",
+        "ours (tied) faster than Opacus ghost clipping, untied head (its only runnable model)",
+        "ours LoRA faster than Opacus LoRA",
+    ]
+    assert "Parameter tying is not supported with Ghost Clipping" in got[
+        "ours (tied) faster than Opacus ghost clipping, tied embeddings"]["measured"]
+    assert got["ours LoRA faster than Opacus LoRA"]["measured"].startswith("Opacus (ghost mode) ")
+    for t in results["targets"]:
+        assert f"| {t['target']} | {t['measured']} | {t['result']} |" in text
+
+
+def test_model_run_norm_checks(model_run):
+    """The tiny model fits the naive per-sample gradients, so both checks run: on the model itself
+    and on the random 2-layer Llama of its shape (full and LoRA)."""
+    results, text, _ = model_run
+    assert results["norm_check"]["result"] == "PASS"
+    tiny = results["tiny_norm_check"]
+    assert tiny["result"] == "PASS", tiny
+    assert tiny["max_rel_diff_full"] <= train.NORM_RTOL and tiny["max_rel_diff_lora"] <= train.NORM_RTOL
+    assert "Per-sample norm check on a tiny Llama (ours vs torch.func): **PASS**: random 2-layer llama" in text
+
+
+def test_model_targets_pass_fail():
+    rows = [
+        _row("non_private", 1.0, 100), _row("ours", 1.2, 125),
+        _row("opacus_ghost", status="error: NotImplementedError: tying"), _row("opacus_ghost_untied", 1.5, 110),
+        _row("non_private_lora", 1.0, 100), _row("ours_lora", 1.1, 110), _row("opacus_lora", 1.32, 105),
+    ]
+    rows[-1]["opacus_mode"] = "hooks"
+    train.add_ratios(rows)
+    assert rows[-1]["time_ratio"] == pytest.approx(1.32)  # against non-private LoRA
+    got = {t["target"]: (t["measured"], t["result"]) for t in train.targets(rows, real_model=True)}
+    assert got["ours step time <= 1.25x non-private"] == ("1.20x", "PASS")
+    assert got["ours peak memory <= 1.2x non-private"] == ("1.25x", "FAIL")
+    assert got["ours LoRA step time <= 1.15x non-private LoRA"] == ("1.10x", "PASS")
+    assert got["ours LoRA faster than Opacus LoRA"] == ("Opacus (hooks mode) 1.20x our step time", "PASS")
+    # the presets keep their own bounds and no LoRA rows
+    assert [t["target"] for t in train.targets(rows)][:2] == [
+        "ours step time <= 1.5x non-private", "ours peak memory <= 1.3x non-private"]
+    assert len(train.targets(rows)) == 4
+
+
+@pytest.mark.parametrize("when", ["make_private", "first step"])
+def test_opacus_lora_falls_back_to_hooks_mode_when_ghost_refuses(llama_dir, monkeypatch, when):
+    real = train._opacus
+
+    def refusing(model, batch, spec, mode):
+        if mode == "ghost" and when == "make_private":
+            raise NotImplementedError("ghost says no")
+        step, wrapped = real(model, batch, spec, mode)
+        if mode == "ghost":
+            def refuse():
+                raise NotImplementedError("ghost says no")
+            return refuse, wrapped
+        return step, wrapped
+
+    monkeypatch.setattr(train, "_opacus", refusing)
+    spec = train._spec_from_args(train.build_parser().parse_args(_model_args(llama_dir)), str(llama_dir))
+    row = train.measure_method("opacus_lora", spec)  # in this process: the patch holds
+    assert row["status"] == "ok", row
+    assert row["opacus_mode"] == "hooks" and row["ghost_refusal"] == "NotImplementedError: ghost says no"
+    assert row["label"] == "Opacus 1.6 hooks mode (ghost clipping refused), LoRA"
+
+
+def test_model_arguments_are_checked(llama_dir, tmp_path):
+    with pytest.raises(SystemExit, match="need --model"):
+        train.main(["--quick", "--methods", "ours,ours_lora"])
+    with pytest.raises(SystemExit, match="exclude each other"):
+        train.main([*_model_args(llama_dir), "--preset", "tiny"])
+    with pytest.raises(SystemExit, match="nor a directory with a config.json"):
+        train.main(["--model", str(tmp_path)])
+    assert train._methods_from_args(None) == train.PRESET_METHODS
+    assert train._methods_from_args(None, real_model=True) == list(train.METHODS)
+    args = train.build_parser().parse_args(["--model", str(llama_dir)])
+    spec = train._spec_from_args(args, str(llama_dir))
+    assert (spec.size.batch, spec.size.seq_len) == train.MODEL_BATCH["cpu"] == (32, 128)
+    assert spec.lora == train.LoraSpec() and spec.model == str(llama_dir)
+    assert train.resolve_model(str(llama_dir)) == (LLAMA, str(llama_dir))

@@ -39,8 +39,31 @@ which).
 Also checks that our per-sample gradient norms equal the ``torch.func`` ones on the first batch
 (same initial weights, float32: relative tolerance ``NORM_RTOL``).
 
-Writes ``train-<device>[-bf16]-<date>.{md,json,png}`` into ``--out``. Run as
-``python -m vllm_dp_plugin.benchmarks.train`` (``--quick``: a toy model, seconds).
+A real model (``--model smollm2``: SmolLM2-135M-Instruct, ``.models/smollm2-135m-instruct``,
+imported on first use; or any Hugging Face Llama directory) replaces the GPT-2 preset: its
+pretrained float32 weights (tied 49,152-token embedding for SmolLM2; ``opacus_ghost_untied``
+gets an untied copy of the output head), a seeded batch of uniform token ids from its vocabulary
+with ``position_ids [B, T]`` (default 32 x 128 on CPU, 32 x 512 on CUDA), and three LoRA rows
+(``peft`` adapters from ``trainer.lora``, default r 8, alpha 16 on all 7 Llama projections; only
+the adapters trained, Adam on them):
+
+* ``non_private_lora``: the mean loss, one backward, Adam;
+* ``ours_lora``: ``DPEngine`` over the peft model (the adapters' ``lora_A``/``lora_B`` are plain
+  ``nn.Linear``: the engine's Linear rule; the frozen base is not hooked);
+* ``opacus_lora``: Opacus 1.6 ``make_private(grad_sample_mode="ghost")`` over the peft model;
+  where ghost clipping refuses (at ``make_private`` or in the first step) the default hooks mode
+  (per-sample gradients of the adapters) runs instead and the row's label says so.
+
+LoRA rows compare with ``non_private_lora``, the others with ``non_private``; the targets for a
+real model are tighter (``MODEL_TARGET_*``, ``LORA_TARGET_RATIO``). ``naive_vmap`` keeps its
+memory rule (SmolLM2 at 32 x 128 needs ~48 GiB of per-sample gradients: skipped on most hosts);
+the norm check then runs on a tiny random 2-layer Llama of the model's shape (vocabulary cut to
+``TINY_VOCAB``), full fine-tuning (tied: Phantom Clipping) and LoRA (``lora_B`` drawn at random
+so both factors have gradients), in the main process.
+
+Writes ``train-[<model>-]<device>[-bf16]-<date>.{md,json,png}`` into ``--out`` (``<model>``:
+``smollm2`` or the directory's name). Run as ``python -m vllm_dp_plugin.benchmarks.train``
+(``--quick``: a toy model, seconds).
 """
 
 from __future__ import annotations
@@ -49,11 +72,12 @@ import argparse
 import contextlib
 import dataclasses
 import multiprocessing
+import re
 import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -84,21 +108,33 @@ from vllm_dp_plugin.benchmarks.lib.report import (
     write_json,
     write_text,
 )
+from vllm_dp_plugin.benchmarks.lib.scenarios import DEFAULT_MODEL as SMOLLM2
+from vllm_dp_plugin.benchmarks.lib.scenarios import ensure_model
 from vllm_dp_plugin.trainer.engine import DPConfig, DPEngine, causal_lm_per_sample_loss
+from vllm_dp_plugin.trainer.lora import LoraSpec, apply_lora
 
 TARGET_TIME_RATIO = 1.5  # ours <= 1.5x the non-private step time
 TARGET_MEMORY_RATIO = 1.3  # ours <= 1.3x the non-private peak memory
+MODEL_TARGET_TIME_RATIO = 1.25  # --model: ours (full fine-tuning) <= 1.25x the non-private step time
+MODEL_TARGET_MEMORY_RATIO = 1.2  # --model: ours <= 1.2x the non-private peak memory
+LORA_TARGET_RATIO = 1.15  # --model: ours LoRA <= 1.15x non-private LoRA, step time and peak memory
+MODEL_ALIASES = {"smollm2": SMOLLM2}  # --model NAME -> directory (SmolLM2 is imported when missing)
+MODEL_BATCH = {"cpu": (32, 128), "cuda": (32, 512)}  # --model default (batch, seq len) by device type
+QUICK_MODEL_BATCH = (2, 16)  # --model with --quick
+TINY_VOCAB, TINY_BATCH, TINY_SEQ = 1024, 4, 32  # --model norm check: 2-layer Llama of the model's shape
 # float32 per-sample norms, the two sides reducing in different orders: the longest reduction is a
 # dot product over the vocabulary (K ~ 5e4 terms), relative rounding error ~ sqrt(K) * 6e-8 ~ 1.3e-5
 # (random-walk bound; positive sums of such terms do not amplify it). Measured: <= 3e-7.
 NORM_RTOL = 2e-5
 NAIVE_COPIES = 3  # per-sample gradients, their clipped/squared temporaries, vmap's own buffers
 PRELOAD = ["vllm_dp_plugin.benchmarks.train", "transformers.models.gpt2.modeling_gpt2", "opacus"]
+MODEL_PRELOAD = ["transformers.models.llama.modeling_llama", "peft"]
 
 
 @dataclass(frozen=True)
 class ModelSize:
-    """GPT-2 shape and batch: ``batch`` sequences of ``seq_len`` tokens."""
+    """GPT-2 shape (or a ``--model``'s, named by ``family``) and batch: ``batch`` sequences of
+    ``seq_len`` tokens."""
 
     vocab: int
     n_embd: int
@@ -106,10 +142,11 @@ class ModelSize:
     n_head: int
     seq_len: int
     batch: int
+    family: str = "GPT-2"
 
     def describe(self) -> str:
         return (
-            f"GPT-2 vocab {self.vocab}, n_embd {self.n_embd}, {self.n_layer} layers, {self.n_head} heads; "
+            f"{self.family} vocab {self.vocab}, n_embd {self.n_embd}, {self.n_layer} layers, {self.n_head} heads; "
             f"batch {self.batch} x seq {self.seq_len}"
         )
 
@@ -134,17 +171,24 @@ class BenchSpec:
     noise_multiplier: float
     clip_norm: float
     lr: float
+    model: str = ""  # a Hugging Face causal LM directory (--model) instead of the random GPT-2 preset
+    lora: LoraSpec = field(default_factory=LoraSpec)  # the LoRA rows' adapters (--model only)
 
 
 @dataclass(frozen=True)
 class Method:
     """One way of taking a training step. ``build(model, batch, spec)`` returns the step
-    function, which returns the per-sample gradient norms ``[B]`` when the method has them."""
+    function, which returns the per-sample gradient norms ``[B]`` when the method has them; a
+    ``row`` dict set on the step function (e.g. the Opacus mode that ran) is merged into the
+    method's result row. ``lora``: the model is wrapped by ``apply_lora`` first (``--model``
+    only); ``baseline``: the row its ratios are against."""
 
     label: str
     tied: bool
     build: Callable[[nn.Module, Batch, BenchSpec], Callable[[], torch.Tensor | None]]
     skip_reason: Callable[[ModelSize, int, torch.device], str] | None = None  # (size, parameters, device)
+    lora: bool = False
+    baseline: str = "non_private"
 
 
 # ---------------------------------------------------------------------------------- model, data
@@ -181,6 +225,34 @@ def build_model(size: ModelSize, tied: bool, seed: int, device: torch.device) ->
     return GPT2LMHeadModel(config).to(device).train()
 
 
+def load_model(path: str, tied: bool, device: torch.device) -> nn.Module:
+    """A Hugging Face causal LM directory's pretrained weights, float32, in train mode (no KV
+    cache). ``tied=False`` gives a tied output head its own copy of the embedding (the same
+    function, an untied model); an untied model is returned as it is either way."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.config.use_cache = False
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    if not tied and head is not None and head.weight is embedding.weight:
+        model.config.tie_word_embeddings = False  # keeps later tie_weights() calls from re-tying
+        head.weight = nn.Parameter(head.weight.detach().clone())
+    return model.to(device).train()
+
+
+def make_model(spec: BenchSpec, method: Method, device: torch.device) -> nn.Module:
+    """The method's model: the preset's random GPT-2 or ``spec.model``'s weights, wrapped by
+    ``apply_lora(spec.lora)`` for a LoRA method (fresh adapters, ``lora_B = 0``, base frozen)."""
+    if spec.model:
+        model = load_model(spec.model, method.tied, device)
+    else:
+        model = build_model(spec.size, method.tied, spec.seed, device)
+    if method.lora:
+        torch.manual_seed(spec.seed)  # the adapters' initialisation
+        model = apply_lora(model, spec.lora).to(device)
+    return model
+
+
 def synthetic_batch(size: ModelSize, seed: int, device: torch.device) -> Batch:
     """Seeded uniform token ids ``[B, T]``, positions ``0..T-1`` per row, no padding."""
     gen = torch.Generator().manual_seed(seed + 1)
@@ -200,8 +272,13 @@ def _autocast(spec: BenchSpec):
     return contextlib.nullcontext()
 
 
+def _trainable(model: nn.Module) -> dict[str, nn.Parameter]:
+    """Trainable parameters by name, a tied weight once (LoRA: the adapters only)."""
+    return {name: p for name, p in model.named_parameters() if p.requires_grad}
+
+
 def _adam(model: nn.Module, spec: BenchSpec) -> torch.optim.Adam:
-    return torch.optim.Adam(dict.fromkeys(model.parameters()), lr=spec.lr)
+    return torch.optim.Adam(_trainable(model).values(), lr=spec.lr)
 
 
 def _per_sample_loss(model: nn.Module, batch: Batch, spec: BenchSpec) -> torch.Tensor:
@@ -242,41 +319,93 @@ def ours_step(model: nn.Module, batch: Batch, spec: BenchSpec):
     return step
 
 
-def opacus_ghost_step(model: nn.Module, batch: Batch, spec: BenchSpec):
-    """Opacus' public ghost-clipping API; its data loader is built (``make_private`` needs one)
-    but the fixed batch is fed directly, without Poisson sampling, as for the other methods."""
+def _opacus(model: nn.Module, batch: Batch, spec: BenchSpec, mode: str):
+    """``(step, wrapped module)`` of Opacus' public API in ``grad_sample_mode`` ``mode``; its data
+    loader is built (``make_private`` needs one) but the fixed batch is fed directly, without
+    Poisson sampling, as for the other methods. Ghost mode takes its criterion wrapper (the loss
+    per sequence via ``shape``); hooks mode the mean of the per-sequence losses."""
     from opacus import PrivacyEngine
     from torch.utils.data import DataLoader, TensorDataset
 
     loader = DataLoader(TensorDataset(batch.ids.cpu()), batch_size=spec.size.batch)
     noise = torch.Generator(device=batch.ids.device).manual_seed(spec.seed)
-    wrapped, optimizer, criterion, _ = PrivacyEngine().make_private(
+    private = PrivacyEngine().make_private(
         module=model, optimizer=_adam(model, spec), data_loader=loader, criterion=nn.CrossEntropyLoss(),
-        noise_multiplier=spec.noise_multiplier, max_grad_norm=spec.clip_norm, grad_sample_mode="ghost",
+        noise_multiplier=spec.noise_multiplier, max_grad_norm=spec.clip_norm, grad_sample_mode=mode,
         poisson_sampling=False, noise_generator=noise,
     )
-    labels = batch.shifted_labels().flatten()
+    if mode == "ghost":
+        wrapped, optimizer, criterion, _ = private
+        labels = batch.shifted_labels().flatten()
+
+        def loss_of(logits: torch.Tensor) -> torch.Tensor:
+            return criterion(logits.flatten(0, 1).float(), labels, shape=logits.shape)
+    else:
+        wrapped, optimizer, _ = private
+
+        def loss_of(logits: torch.Tensor) -> torch.Tensor:
+            return causal_lm_per_sample_loss(logits, batch.ids).mean()
 
     def step() -> None:
         with _autocast(spec):
-            logits = wrapped(**batch.inputs()).logits
-            loss = criterion(logits.flatten(0, 1).float(), labels, shape=logits.shape)
+            loss = loss_of(wrapped(**batch.inputs()).logits)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
+    return step, wrapped
+
+
+def opacus_ghost_step(model: nn.Module, batch: Batch, spec: BenchSpec):
+    """Opacus' ghost clipping (``make_private(grad_sample_mode="ghost")``)."""
+    return _opacus(model, batch, spec, "ghost")[0]
+
+
+def opacus_lora_step(model: nn.Module, batch: Batch, spec: BenchSpec):
+    """Opacus over the peft model (only the adapters trainable): ghost clipping; where ghost
+    refuses, at ``make_private`` or in the first step, its hooks are removed and the default
+    hooks mode (per-sample gradients of the adapters) runs instead (built inside that first
+    step: with ``--warmup 0`` the first timed step includes it). ``step.row`` says which ran."""
+    state: dict = {"first": True}
+
+    def fall_back(err: Exception, wrapped=None) -> None:
+        if wrapped is not None:
+            wrapped.remove_hooks()
+            wrapped._close()  # Opacus' own clean-up of its per-parameter attributes
+        model.zero_grad(set_to_none=True)
+        state["step"] = _opacus(model, batch, spec, "hooks")[0]
+        step.row = {"label": "Opacus 1.6 hooks mode (ghost clipping refused), LoRA", "opacus_mode": "hooks",
+                    "ghost_refusal": _error_text(err).removeprefix("error: ")}
+
+    def step() -> None:
+        first, state["first"] = state["first"], False
+        if "step" not in state:
+            fall_back(state["refusal"])
+        try:
+            state["step"]()
+        except Exception as err:
+            if not first or step.row["opacus_mode"] != "ghost":
+                raise
+            fall_back(err, state["wrapped"])
+            state["step"]()
+
+    step.row = {"opacus_mode": "ghost"}
+    try:
+        state["step"], state["wrapped"] = _opacus(model, batch, spec, "ghost")
+    except Exception as err:  # noqa: BLE001 - hooks mode instead, said in the row
+        state["refusal"] = err
     return step
 
 
 def naive_vmap_step(model: nn.Module, batch: Batch, spec: BenchSpec):
-    """Per-sample gradients of every parameter (``torch.func.vmap(grad)``; the tied weight is one
+    """Per-sample gradients of every trainable parameter (``torch.func.vmap(grad)``; the tied weight is one
     entry, its two uses summed by ``functional_call``), flat clipping, float64 noise, Adam. Each
     sample runs alone with the model's default positions ``0..T-1`` (equal to the batch's): given
     ``position_ids``, Hugging Face probes them for packed sequences with data-dependent control
     flow, which ``vmap`` refuses."""
     from torch.func import functional_call, grad, vmap
 
-    params = dict(model.named_parameters())  # a tied weight appears once
+    params = _trainable(model)  # a tied weight appears once; LoRA: the adapters (the base is a constant)
     optimizer = _adam(model, spec)
     noise = torch.Generator(device=batch.ids.device).manual_seed(spec.seed)
 
@@ -322,7 +451,16 @@ METHODS = {
     "naive_vmap": Method(
         "naive per-sample grads (torch.func vmap)", tied=True, build=naive_vmap_step, skip_reason=naive_skip_reason
     ),
+    # --model only (LoRA targets a Llama's nn.Linear projections; GPT-2's are Conv1D)
+    "non_private_lora": Method(
+        "non-private LoRA (mean loss, Adam)", tied=True, build=non_private_step, lora=True, baseline="non_private_lora"
+    ),
+    "ours_lora": Method("ours LoRA: DPEngine over peft", tied=True, build=ours_step, lora=True, baseline="non_private_lora"),
+    "opacus_lora": Method(
+        "Opacus 1.6 ghost clipping, LoRA", tied=True, build=opacus_lora_step, lora=True, baseline="non_private_lora"
+    ),
 }
+PRESET_METHODS = [name for name, m in METHODS.items() if not m.lora]  # the default without --model
 
 
 # ---------------------------------------------------------------------------------- measurement
@@ -338,7 +476,7 @@ def measure_method(name: str, spec: BenchSpec) -> dict:
     ``{"status": "ok", "step_s", "times_s", "peak_bytes", ...}``, or ``{"status": reason}`` for a
     method that is skipped or raises (the error text is kept, not hidden)."""
     method, device = METHODS[name], torch.device(spec.device)
-    model = build_model(spec.size, method.tied, spec.seed, device)
+    model = make_model(spec, method, device)
     batch = synthetic_batch(spec.size, spec.seed, device)
     params = unique_parameter_count(model)
     param_bytes = sum(p.numel() * p.element_size() for p in dict.fromkeys(model.parameters()))
@@ -346,7 +484,7 @@ def measure_method(name: str, spec: BenchSpec) -> dict:
     if method.skip_reason and (reason := method.skip_reason(spec.size, params, device)):
         return {**base, "status": reason}
     memory = PeakMemory(device).start()
-    times, first_norms = [], None
+    times, first_norms, step = [], None, None
     try:
         step = method.build(model, batch, spec)
         for i in range(spec.warmup + spec.steps):
@@ -356,10 +494,11 @@ def measure_method(name: str, spec: BenchSpec) -> dict:
             if i == 0 and norms is not None:
                 first_norms = norms.detach().double().cpu().tolist()
     except Exception as err:  # noqa: BLE001 - reported in the table: the point is to show what fails
-        return {**base, "status": _error_text(err)}
+        return {**base, **getattr(step, "row", {}), "status": _error_text(err)}
     memory.stop()
     return {
         **base,
+        **getattr(step, "row", {}),
         "status": "ok",
         "step_s": statistics.median(times),
         "times_s": times,
@@ -399,7 +538,7 @@ def run_isolated(name: str, spec: BenchSpec, timeout: float) -> dict:
         why = (f"worker died without a result (exit code {proc.exitcode}; out of memory?)" if answered
                else f"no result within {timeout:.0f} s")
         result = {"method": name, "status": f"error: {why}"}
-    return {"label": METHODS[name].label, "tied": METHODS[name].tied, **result}
+    return {"label": METHODS[name].label, "tied": METHODS[name].tied, "lora": METHODS[name].lora, **result}
 
 
 # ---------------------------------------------------------------------------------- verdicts
@@ -410,9 +549,11 @@ def _rows_by_method(rows: list[dict]) -> dict[str, dict]:
 
 
 def add_ratios(rows: list[dict]) -> None:
-    """``time_ratio`` and ``memory_ratio`` vs the non-private row, where both ran."""
-    base = _rows_by_method(rows).get("non_private", {})
+    """``time_ratio`` and ``memory_ratio`` vs the row's baseline (``non_private``; LoRA rows:
+    ``non_private_lora``), where both ran."""
+    by = _rows_by_method(rows)
     for row in rows:
+        base = by.get(METHODS[row["method"]].baseline, {})
         if row["status"] == "ok" and base.get("status") == "ok":
             row["time_ratio"] = row["step_s"] / base["step_s"]
             row["memory_ratio"] = row["peak_bytes"] / base["peak_bytes"]
@@ -422,26 +563,38 @@ def _verdict(ok: bool) -> str:
     return "PASS" if ok else "FAIL"
 
 
-def targets(rows: list[dict]) -> list[dict]:
-    """The task's targets as ``{"target", "measured", "result"}`` (result PASS, FAIL or n/a)."""
+def targets(rows: list[dict], real_model: bool = False) -> list[dict]:
+    """The task's targets as ``{"target", "measured", "result"}`` (result PASS, FAIL or n/a):
+    the GPT-2 presets' bounds, or (``real_model``, ``--model``) the tighter full fine-tuning
+    bounds plus LoRA's."""
     by = _rows_by_method(rows)
-    ours = by.get("ours", {})
+    bounds = [("ours", "ours", "non-private", TARGET_TIME_RATIO, TARGET_MEMORY_RATIO)]
+    faster = [
+        ("ours", "opacus_ghost", "ours (tied) faster than Opacus ghost clipping, tied embeddings"),
+        ("ours", "opacus_ghost_untied", "ours (tied) faster than Opacus ghost clipping, untied head (its only runnable model)"),
+    ]
+    if real_model:
+        bounds = [
+            ("ours", "ours", "non-private", MODEL_TARGET_TIME_RATIO, MODEL_TARGET_MEMORY_RATIO),
+            ("ours_lora", "ours LoRA", "non-private LoRA", LORA_TARGET_RATIO, LORA_TARGET_RATIO),
+        ]
+        faster.append(("ours_lora", "opacus_lora", "ours LoRA faster than Opacus LoRA"))
     out = []
-    for key, bound, what in (
-        ("time_ratio", TARGET_TIME_RATIO, "step time"),
-        ("memory_ratio", TARGET_MEMORY_RATIO, "peak memory"),
-    ):
-        target = f"ours {what} <= {bound}x non-private"
-        if key in ours:
-            out.append({"target": target, "measured": f"{ours[key]:.2f}x", "result": _verdict(ours[key] <= bound)})
-        else:
-            out.append({"target": target, "measured": "not measured", "result": "n/a"})
-    for name, what in (("opacus_ghost", "tied embeddings"), ("opacus_ghost_untied", "untied head (its only runnable model)")):
-        target = f"ours (tied) faster than Opacus ghost clipping, {what}"
-        other = by.get(name, {})
+    for name, who, baseline, time_bound, memory_bound in bounds:
+        row = by.get(name, {})
+        for key, bound, what in (("time_ratio", time_bound, "step time"), ("memory_ratio", memory_bound, "peak memory")):
+            target = f"{who} {what} <= {bound}x {baseline}"
+            if key in row:
+                out.append({"target": target, "measured": f"{row[key]:.2f}x", "result": _verdict(row[key] <= bound)})
+            else:
+                out.append({"target": target, "measured": "not measured", "result": "n/a"})
+    for name, other_name, target in faster:
+        ours, other = by.get(name, {}), by.get(other_name, {})
         if ours.get("status") == "ok" and other.get("status") == "ok":
             ratio = other["step_s"] / ours["step_s"]
-            out.append({"target": target, "measured": f"Opacus {ratio:.2f}x our step time", "result": _verdict(ratio > 1)})
+            mode = f" ({other['opacus_mode']} mode)" if "opacus_mode" in other else ""
+            out.append({"target": target, "measured": f"Opacus{mode} {ratio:.2f}x our step time",
+                        "result": _verdict(ratio > 1)})
         else:
             failed = ours if ours.get("status") != "ok" else other
             out.append({"target": target, "measured": failed.get("status", "not run"), "result": "n/a"})
@@ -465,6 +618,57 @@ def norm_check(rows: list[dict], autocast: str) -> dict:
     }
 
 
+def tiny_llama_norm_check(spec: BenchSpec) -> dict:
+    """``--model``: our first-batch per-sample norms vs ``torch.func``'s on a random 2-layer model
+    of ``spec.model``'s configuration (vocabulary cut to ``TINY_VOCAB``; batch ``TINY_BATCH`` x
+    ``TINY_SEQ``; float32 without autocast), full fine-tuning (a tied model: Phantom Clipping) and
+    LoRA (``spec.lora``, ``lora_B`` drawn at random: at its zero start ``lora_A`` would have no
+    gradient to check). Each side gets its own copy of the same seeded weights; a run that raises
+    is reported (result n/a), not hidden."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    device = torch.device(spec.device)
+    config = AutoConfig.from_pretrained(spec.model, num_hidden_layers=2, use_cache=False)
+    config.vocab_size = min(config.vocab_size, TINY_VOCAB)
+    if (getattr(config, "pad_token_id", None) or 0) >= config.vocab_size:
+        config.pad_token_id = None
+    size = dataclasses.replace(spec.size, vocab=config.vocab_size, n_layer=2,
+                               batch=min(spec.size.batch, TINY_BATCH), seq_len=min(spec.size.seq_len, TINY_SEQ))
+    tiny = dataclasses.replace(spec, size=size, autocast="none")
+    batch = synthetic_batch(size, spec.seed, device)
+
+    def model(lora: bool) -> nn.Module:
+        torch.manual_seed(spec.seed)
+        built = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device).train()
+        if lora:
+            built = apply_lora(built, spec.lora).to(device)
+            draw = torch.Generator().manual_seed(spec.seed + 2)
+            with torch.no_grad():
+                for name, p in built.named_parameters():
+                    if "lora_B" in name:
+                        p.copy_(0.02 * torch.randn(p.shape, generator=draw))
+        return built
+
+    shape = (f"{config.model_type} (hidden {config.hidden_size}, vocab {config.vocab_size}, "
+             f"{'tied' if getattr(config, 'tie_word_embeddings', False) else 'untied'}); batch {size.batch} x {size.seq_len}")
+    diffs = {}
+    try:
+        for kind in ("full", "lora"):
+            ours = ours_step(model(kind == "lora"), batch, tiny)().double().cpu()
+            func = naive_vmap_step(model(kind == "lora"), batch, tiny)().double().cpu()
+            diffs[kind] = float(((ours - func).abs() / func).max())
+    except Exception as err:  # noqa: BLE001 - reported: the check did not run
+        return {"result": "n/a", "text": f"not checked on a random 2-layer {shape}: {_error_text(err)}"}
+    worst = max(diffs.values())
+    return {
+        "result": _verdict(worst <= NORM_RTOL),
+        "max_rel_diff": worst,
+        **{f"max_rel_diff_{kind}": d for kind, d in diffs.items()},
+        "text": f"random 2-layer {shape}: max |n_ours - n_func| / n_func: full fine-tuning {diffs['full']:.2e}, LoRA {diffs['lora']:.2e} "
+        f"(float32 tolerance {NORM_RTOL:g})",
+    }
+
+
 # ---------------------------------------------------------------------------------- output
 
 
@@ -480,22 +684,35 @@ def _setup_text(meta: dict) -> str:
     env = meta["env"]
     gpu = f", GPU {env['gpu']} (CUDA {env['cuda']})" if "gpu" in env else ""
     params = f"{meta['parameters']:,}" if meta["parameters"] else "?"
+    if meta.get("model_path"):
+        data = (f"Pretrained weights from `{meta['model_path']}`, float32; a fixed batch of seeded uniform token ids "
+                "from its vocabulary, `position_ids [B, T]`")
+    else:
+        data = "Random weights; synthetic seeded batch, fixed"
+    lora = ""
+    if meta.get("lora_parameters"):
+        spec = meta["lora"]
+        lora = (f" LoRA rows: `peft` adapters r = {spec['r']}, alpha = {spec['alpha']:g} on "
+                f"{', '.join(spec['target_modules'])} ({meta['lora_parameters']:,} trainable parameters, the base "
+                "frozen); their ratios are against non-private LoRA.")
     return (
-        f"torch {env['torch']}, transformers {env['transformers']}, opacus {env['opacus']}, "
-        f"python {env['python']}, {env['torch_threads']} threads{gpu}.\n\n"
-        f"Model: {meta['model']} ({params} parameters, the tied weight once). Synthetic seeded batch, fixed; "
+        f"torch {env['torch']}, transformers {env['transformers']}, opacus {env['opacus']}"
+        + (f", peft {env['peft']}" if env.get("peft") else "")
+        + f", python {env['python']}, {env['torch_threads']} threads{gpu}.\n\n"
+        f"Model: {meta['model']} ({params} parameters, the tied weight once). {data}; "
         f"DP methods: flat clipping C = {meta['clip_norm']}, noise multiplier {meta['noise_multiplier']}, Adam. "
         f"Step time: median of {meta['steps']} steps after {meta['warmup']} warm-up steps. Peak memory: "
         "parameters + the most the steps allocate above the level before the first step "
-        f"({meta['memory_measure']}); each method in its own process."
+        f"({meta['memory_measure']}); each method in its own process.{lora}"
     )
 
 
 def render_markdown(results: dict) -> str:
     meta, rows = results["meta"], results["methods"]
     autocast = " (bf16 autocast)" if meta["autocast"] == "bf16" else ""
+    model = f", {meta['model_name']}" if meta.get("model_name") else ""
     lines = [
-        f"# DP training step: {meta['device']}{autocast} ({meta['date']})",
+        f"# DP training step{model}: {meta['device']}{autocast} ({meta['date']})",
         "",
         f"Command: `{meta['command']}`",
         "",
@@ -516,9 +733,11 @@ def render_markdown(results: dict) -> str:
     lines += ["", "## Targets", "", "| target | measured | result |", "|---|---|---|"]
     lines += [f"| {t['target']} | {t['measured'].replace('|', '/')} | {t['result']} |" for t in results["targets"]]
     check = results["norm_check"]
+    lines += ["", f"Per-sample norm check (ours vs torch.func, first batch): **{check['result']}**: {check['text']}."]
+    if "tiny_norm_check" in results:
+        tiny = results["tiny_norm_check"]
+        lines += ["", f"Per-sample norm check on a tiny Llama (ours vs torch.func): **{tiny['result']}**: {tiny['text']}."]
     lines += [
-        "",
-        f"Per-sample norm check (ours vs torch.func, first batch): **{check['result']}**: {check['text']}.",
         "",
         f"Total wall time {meta['wall_s']:.0f} s; host load average (1/5/15 min) at start "
         + f"{meta['loadavg_start']}, at end {meta['loadavg_end']} (a shared box: compare rows of one run).",
@@ -535,7 +754,8 @@ def plot(results: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(12, 4))
     for ax, key, scale, unit in ((axes[0], "step_s", 1e3, "step time (ms)"), (axes[1], "peak_bytes", 2**-20, "peak memory (MiB)")):
         values = [r[key] * scale if r["status"] == "ok" else 0.0 for r in rows]
-        bars = ax.bar(range(len(rows)), values, color=["tab:gray" if n == "non_private" else "tab:blue" for n in names])
+        colors = ["tab:gray" if n.startswith("non_private") else "tab:blue" for n in names]
+        bars = ax.bar(range(len(rows)), values, color=colors)
         for bar, row in zip(bars, rows, strict=True):
             if row["status"] != "ok":
                 text = "skipped" if row["status"].startswith("skipped") else "failed"
@@ -554,12 +774,24 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p = parser
     add_device_arg(p, default_device(), "cpu or cuda[:i]")
     add_out_arg(p)
-    add_quick_arg(p, "toy model, 1 + 2 steps (seconds; for tests)")
+    add_quick_arg(p, "toy model, 1 + 2 steps (seconds; for tests); with --model: batch 2 x 16")
     p.add_argument("--preset", choices=sorted(PRESETS), help="model size (default: gpt2-small on CUDA, tiny on CPU)")
-    p.add_argument("--batch", type=int, help="override the preset's batch size")
-    p.add_argument("--seq-len", type=int, help="override the preset's sequence length")
+    p.add_argument(
+        "--model", default="",
+        help="a real model instead of a preset: 'smollm2' (SmolLM2-135M-Instruct, .models/smollm2-135m-instruct, "
+        "imported on first use) or a Hugging Face Llama directory; pretrained float32 weights, adds the LoRA rows "
+        f"(default batch {MODEL_BATCH['cpu'][0]} x {MODEL_BATCH['cpu'][1]} on CPU, "
+        f"{MODEL_BATCH['cuda'][0]} x {MODEL_BATCH['cuda'][1]} on CUDA)",
+    )
+    p.add_argument("--batch", type=int, help="override the preset's (or --model's default) batch size")
+    p.add_argument("--seq-len", type=int, help="override the preset's (or --model's default) sequence length")
     p.add_argument("--autocast", choices=("none", "bf16"), default="none", help="forward + loss under bf16 autocast")
-    p.add_argument("--methods", default=",".join(METHODS), help=f"comma list of {', '.join(METHODS)}")
+    p.add_argument(
+        "--methods",
+        help=f"comma list of {', '.join(METHODS)} (default: all; without --model those without LoRA)",
+    )
+    p.add_argument("--lora-r", type=int, default=LoraSpec.r, help=f"LoRA rank (default {LoraSpec.r})")
+    p.add_argument("--lora-alpha", type=float, default=LoraSpec.alpha, help=f"LoRA alpha (default {LoraSpec.alpha:g})")
     p.add_argument("--warmup", type=int, help="untimed steps (default 1 on CPU, 3 on CUDA)")
     p.add_argument("--steps", type=int, help="timed steps (default 5 on CPU, 10 on CUDA; quick 2)")
     p.add_argument("--noise-multiplier", type=float, default=1.0, help="DP noise multiplier (default 1)")
@@ -575,15 +807,45 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def build_parser(prog: str = "vllm-dp bench train") -> argparse.ArgumentParser:
     return add_cli_args(argparse.ArgumentParser(
         prog=prog,
-        description="DP training step time and peak memory: non-private, ours, Opacus ghost clipping, torch.func.",
+        description="DP training step time and peak memory: non-private, ours, Opacus ghost clipping, torch.func; "
+        "with --model (e.g. smollm2) full and LoRA fine-tuning of a real model.",
     ))
 
 
-def _spec_from_args(args: argparse.Namespace) -> BenchSpec:
-    """Preset, overrides and per-device step counts; ValueError for bad sizes or methods."""
+def resolve_model(text: str) -> tuple[str, str]:
+    """``(name, directory)`` of ``--model``: an alias (``smollm2``; imported when missing) or a
+    directory with a ``config.json`` (named by its last component, for the result files)."""
+    if text in MODEL_ALIASES:
+        return text, ensure_model(MODEL_ALIASES[text])
+    if not (Path(text) / "config.json").exists():
+        raise ValueError(f"--model {text!r}: not one of {sorted(MODEL_ALIASES)} nor a directory with a config.json")
+    name = re.sub(r"[^a-z0-9._-]+", "-", Path(text).resolve().name.lower()).strip("-.") or "model"
+    return name, text
+
+
+def _model_size(path: str, batch: int, seq_len: int) -> ModelSize:
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    tied = "tied" if getattr(config, "tie_word_embeddings", False) else "untied"
+    return ModelSize(
+        vocab=config.vocab_size, n_embd=config.hidden_size, n_layer=config.num_hidden_layers,
+        n_head=config.num_attention_heads, seq_len=seq_len, batch=batch,
+        family=f"{Path(path).name} ({config.model_type}, {tied} embeddings, pretrained)",
+    )
+
+
+def _spec_from_args(args: argparse.Namespace, model: str = "") -> BenchSpec:
+    """Preset (or ``model``'s directory), overrides and per-device step counts; ValueError for
+    bad sizes or methods."""
     cuda = torch.device(args.device).type == "cuda"
-    preset = "toy" if args.quick else args.preset or ("gpt2-small" if cuda else "tiny")
-    size = PRESETS[preset]
+    if model:
+        if args.preset:
+            raise ValueError("--model and --preset exclude each other")
+        batch, seq_len = QUICK_MODEL_BATCH if args.quick else MODEL_BATCH["cuda" if cuda else "cpu"]
+        size = _model_size(model, batch, seq_len)
+    else:
+        size = PRESETS["toy" if args.quick else args.preset or ("gpt2-small" if cuda else "tiny")]
     size = dataclasses.replace(
         size,
         batch=size.batch if args.batch is None else args.batch,
@@ -598,14 +860,20 @@ def _spec_from_args(args: argparse.Namespace) -> BenchSpec:
     return BenchSpec(
         size=size, device=args.device, autocast=args.autocast, warmup=warmup, steps=steps, seed=args.seed,
         noise_multiplier=args.noise_multiplier, clip_norm=args.clip_norm, lr=args.lr,
+        model=model, lora=LoraSpec(r=args.lora_r, alpha=args.lora_alpha),
     )
 
 
-def _methods_from_args(text: str) -> list[str]:
+def _methods_from_args(text: str | None, real_model: bool = False) -> list[str]:
+    if text is None:
+        return list(METHODS) if real_model else PRESET_METHODS
     names = [m for m in text.split(",") if m]
     unknown = sorted(set(names) - set(METHODS))
     if unknown or not names:
         raise ValueError(f"unknown or no methods {unknown}; choose from {', '.join(METHODS)}")
+    lora = [m for m in names if METHODS[m].lora]
+    if lora and not real_model:
+        raise ValueError(f"{', '.join(lora)} need --model (LoRA adapts a Llama's nn.Linear projections)")
     return names
 
 
@@ -616,12 +884,13 @@ def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda but torch sees no CUDA device")
     try:
-        spec, names = _spec_from_args(args), _methods_from_args(args.methods)
+        model_name, model = resolve_model(args.model) if args.model else ("", "")
+        spec, names = _spec_from_args(args, model), _methods_from_args(args.methods, bool(model))
     except ValueError as err:
         raise SystemExit(str(err)) from None
     date = today(args.date)
     log = logger(not args.quiet)
-    multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
+    multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD + (MODEL_PRELOAD if model else []))
 
     load_start, start = loadavg(), time.perf_counter()
     log(f"== {spec.size.describe()} on {args.device}, autocast {spec.autocast}")
@@ -635,16 +904,20 @@ def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
     ok = [r for r in rows if r["status"] == "ok"]
     results = {
         "methods": rows,
-        "targets": targets(rows),
+        "targets": targets(rows, real_model=bool(model)),
         "norm_check": norm_check(rows, spec.autocast),
+        **({"tiny_norm_check": tiny_llama_norm_check(spec)} if model else {}),
         "meta": {
             "device": device_label(device, short=device.type != "cuda"),  # cpu | nvidia-h200
             "date": date,
             "command": " ".join(["python -m vllm_dp_plugin.benchmarks.train", *(argv or [])]),
-            "env": environment(device, packages=("transformers", "opacus")),
+            "env": environment(device, packages=("transformers", "opacus") + (("peft",) if model else ())),
             "model": spec.size.describe(),
-            "parameters": next((r["parameters"] for r in rows if "parameters" in r and r["tied"]), None),
-            **{k: v for k, v in dataclasses.asdict(spec).items() if k != "size"},
+            "parameters": next((r["parameters"] for r in rows if "parameters" in r and r["tied"] and not r["lora"]), None),
+            "lora_parameters": next((r["parameters"] for r in rows if "parameters" in r and r["lora"]), None),
+            **{k: v for k, v in dataclasses.asdict(spec).items() if k not in ("size", "model")},
+            "model_path": model,
+            "model_name": model_name,
             "size": dataclasses.asdict(spec.size),
             "memory_measure": ok[0]["memory_measure"] if ok else "-",
             "wall_s": time.perf_counter() - start,
@@ -653,11 +926,14 @@ def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
         },
     }
     suffix = "-bf16" if spec.autocast == "bf16" else ""
-    stem = Path(args.out) / f"train-{results['meta']['device']}{suffix}-{date}"
+    prefix = f"train-{model_name}-" if model_name else "train-"
+    stem = Path(args.out) / f"{prefix}{results['meta']['device']}{suffix}-{date}"
     write_json(suffixed(stem, ".json"), results, indent=2, newline=True)
     write_text(suffixed(stem, ".md"), render_markdown(results))
     plot(results, suffixed(stem, ".png"))
     log(f"norm check: {results['norm_check']['result']}: {results['norm_check']['text']}")
+    if model:
+        log(f"tiny-Llama norm check: {results['tiny_norm_check']['result']}: {results['tiny_norm_check']['text']}")
     for t in results["targets"]:
         log(f"  {t['result']}: {t['target']} ({t['measured']})")
     log(f"wrote {stem}.md, .json and .png")
