@@ -31,7 +31,15 @@ from pathlib import Path
 
 import torch
 
-from vllm_dp_plugin.benchmarks.lib.cli import add_date_arg, add_out_arg, floats, ints, parse, today
+from vllm_dp_plugin.benchmarks.lib.cli import (
+    add_date_arg,
+    add_out_arg,
+    floats,
+    ints,
+    names,
+    parse,
+    today,
+)
 from vllm_dp_plugin.benchmarks.lib.environment import device_label, environment, loadavg
 from vllm_dp_plugin.benchmarks.lib.progress import logger
 from vllm_dp_plugin.benchmarks.lib.report import (
@@ -49,7 +57,7 @@ from vllm_dp_plugin.trainer.canary import (
     make_canaries,
     perplexity,
 )
-from vllm_dp_plugin.trainer.lora import LoraSpec
+from vllm_dp_plugin.trainer.lora import LLAMA_PROJECTIONS, LoraSpec
 from vllm_dp_plugin.trainer.train import TrainConfig, make_records, train
 
 MODELS = {"smollm2": ".models/smollm2-135m-instruct"}
@@ -81,13 +89,20 @@ def evaluate(model, tokenizer, val, canaries) -> dict:
 
 
 def run_config(args, data: Path, work: Path, name: str, epsilon: float | None) -> TrainConfig:
-    lora = None if args.full else LoraSpec(r=args.lora_r, alpha=2.0 * args.lora_r)
+    lora = None if args.full else LoraSpec(r=args.lora_r, alpha=2.0 * args.lora_r, target_modules=args.lora_targets)
     return TrainConfig(
         model=str(model_path(args.model)), output_dir=str(work / name), data=str(data), seq_len=args.seq_len,
         epsilon=epsilon or 1.0, private=epsilon is not None, epochs=args.epochs, batch_size=args.batch_size,
         max_physical_batch=args.max_physical_batch, learning_rate=args.lr, seed=args.seed, lora=lora,
         checkpoint_every=10**6,
     )
+
+
+def run_label(args) -> str:
+    """The training setup in the result file names: ``lora8-qv-seq64-e1``, ``full-seq64-e1``."""
+    mode = "full" if args.full else f"lora{args.lora_r}" + ("" if args.lora_targets == LLAMA_PROJECTIONS else
+                                                           "-" + "".join(t[0] for t in args.lora_targets))
+    return f"{mode}-seq{args.seq_len}-e{args.epochs:g}"
 
 
 def load(directory: Path):
@@ -97,28 +112,33 @@ def load(directory: Path):
 
 
 def summarize(results: dict) -> None:
-    """Per run: gain kept (of the non-private log-perplexity gain), max/mean exposure by
-    repetition count, and whether every canary is consistent with chance at 1% (Bonferroni)."""
+    """Per run: gain kept (of the non-private log-perplexity gain), whether every canary is
+    consistent with chance at 1% (Bonferroni), and each canary's exposure minus the base model's
+    (the base model has priors: a secret that looks like a year ranks high before any training)."""
     base = math.log(results["runs"][0]["perplexity"])
     np_run = next((r for r in results["runs"] if r["name"] == "non-private"), None)
     gain = base - math.log(np_run["perplexity"]) if np_run else None
     m = len(results["runs"][0]["canaries"])
+    base_exposure = [c["exposure"] for c in results["runs"][0]["canaries"]]
     for run in results["runs"]:
         run["gain_kept"] = (base - math.log(run["perplexity"])) / gain if gain else None
         run["at_chance"] = all(c["chance_p"] >= 0.01 / m for c in run["canaries"])
+        for c, before in zip(run["canaries"], base_exposure, strict=True):
+            c["over_base"] = c["exposure"] - before
+        run["max_over_base"] = max(c["over_base"] for c in run["canaries"])
 
 
 def render_markdown(results: dict) -> str:
     meta, s = results["meta"], results["settings"]
     reps = sorted({c["repetitions"] for c in results["runs"][0]["canaries"]})
     head = ["run", "epsilon", "val perplexity", "gain kept", *[f"exposure x{k} (bits)" for k in reps],
-            "all at chance (1%)"]
+            "max over base (bits)", "all at chance (1%)"]
     rows = []
     for run in results["runs"]:
         by_rep = [", ".join(fmt(c["exposure"], 2) for c in run["canaries"] if c["repetitions"] == k) for k in reps]
         rows.append([run["name"], fmt(run.get("epsilon")) if run.get("epsilon") is not None else "-",
                      fmt(run["perplexity"], 3), "-" if run["gain_kept"] is None else f"{100 * run['gain_kept']:.0f}%",
-                     *by_rep, "yes" if run["at_chance"] else "**no**"])
+                     *by_rep, f"{run['max_over_base']:+.2f}", "yes" if run["at_chance"] else "**no**"])
     lines = [
         f"# Canary exposure of DP fine-tuning: {meta['model']} ({meta['device']}, {meta['date']})",
         "",
@@ -137,7 +157,8 @@ def render_markdown(results: dict) -> str:
         ("Exposure columns list each canary of that repetition count. \"gain kept\": the run's reduction of "
         "validation log-perplexity from the base model, as a fraction of the non-private run's. \"at chance\": "
         f"every canary's rank / {10 ** s['digits']} >= 0.01 / {len(results['runs'][0]['canaries'])} (what a "
-        "model that learnt nothing about the secrets passes with probability >= 99%). DP protects one record: "
+        "model that learnt nothing about the secrets passes with probability >= 99%); \"max over base\": the "
+         "largest increase of a canary's exposure over the base model's. DP protects one record: "
         "a canary repeated k times is covered by group privacy at k x epsilon."),
         "",
         "| run | canary | repetitions | rank | exposure (bits) |",
@@ -188,7 +209,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--per-level", type=int, default=2, help="canaries per insertion count (default 2)")
     p.add_argument("--digits", type=int, default=4, help="digits of a secret (default 4: 10,000 candidates)")
     p.add_argument("--full", action="store_true", help="full fine-tuning (Phantom Clipping) instead of LoRA")
-    p.add_argument("--lora-r", type=int, default=8, help="LoRA rank (alpha = 2r, all projections; default 8)")
+    p.add_argument("--lora-r", type=int, default=8, help="LoRA rank (alpha = 2r; default 8)")
+    p.add_argument("--lora-targets", type=names, default=LLAMA_PROJECTIONS,
+                   help="LoRA target modules (default: all 7 Llama projections)")
     p.add_argument("--seq-len", type=int, default=64, help="tokens per record (default 64)")
     p.add_argument("--epochs", type=float, default=1.0, help="epochs (default 1)")
     p.add_argument("--batch-size", type=int, default=64, help="expected batch (default 64)")
@@ -235,9 +258,10 @@ def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
         plan = plan_run(run_config(args, data, work, "plan", 1.0), records)
         label = device_label(torch.device("cpu"))
         model_name = args.model if args.model in MODELS else path.name
-        stem = Path(args.out) / f"canary-{model_name}-{label}-{args.date}"
+        stem = Path(args.out) / f"canary-{model_name}-{run_label(args)}-{label}-{args.date}"
         results = {
-            "settings": {"mode": "full fine-tuning" if args.full else f"LoRA r={args.lora_r}", "records": records,
+            "settings": {"mode": "full fine-tuning" if args.full else
+                         f"LoRA r={args.lora_r} on {', '.join(args.lora_targets)}", "records": records,
                          "seq_len": args.seq_len, "val_records": len(val), "batch_size": args.batch_size,
                          "sample_rate": plan.sample_rate, "steps": plan.steps, "lr": args.lr, "delta": plan.delta,
                          "epochs": args.epochs, "digits": args.digits, "canaries": len(canaries),

@@ -3,7 +3,7 @@ gradients ("book-keeping", one backward) and Gaussian noise, for models built fr
 module types.
 
 Per training step, for each physical (virtual) batch: run the model forward (the engine's hooks
-capture each supported module's detached input and attached output), compute a per-sample loss
+capture each supported module's detached input and its output's gradient edge), compute a per-sample loss
 ``[b]``, call ``engine.backward(loss)``; then call ``engine.finish_step()`` once and any torch
 optimizer's ``step()`` (SGD = DP-SGD, Adam/AdamW = DP-Adam: post-processing of the noisy grad).
 
@@ -56,6 +56,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from vllm_dp_plugin.privacy.keyed_noise import SEED_BYTES, fresh_generator, seeded_generator
 from vllm_dp_plugin.privacy.noise import GridGaussian
@@ -122,12 +123,15 @@ _PROBE_TOLERANCE_LOW_PRECISION = 2e-2
 
 @dataclass
 class _Call:
-    """One call of a hooked module in the current forward: detached input, attached output."""
+    """One call of a hooked module in the current forward: detached input, the output's gradient
+    edge (not the output: holding every output until the backward ends would keep ~one more
+    activation per layer alive), the output's batch size."""
 
     module: nn.Module
     rule: NormRule
     x: torch.Tensor
-    y: torch.Tensor
+    y: GradientEdge
+    batch: int
 
 
 @dataclass
@@ -332,7 +336,7 @@ class DPEngine:
                 "support"
             )
         x = args[0] if args else next(iter(kwargs.values()))
-        self._calls.append(_Call(module, self._modules[module], x.detach(), output))
+        self._calls.append(_Call(module, self._modules[module], x.detach(), get_gradient_edge(output), output.shape[0]))
 
     # ---- per-sample norms and clipping ----
 
@@ -341,9 +345,9 @@ class DPEngine:
         trainable parameter, batch-first. Outputs the loss does not depend on are dropped."""
         batch = loss.shape[0]
         for call in calls:
-            if call.y.shape[0] != batch:
+            if call.batch != batch:
                 raise ValueError(
-                    f"module {self._names[call.module]!r} produced batch size {call.y.shape[0]} but the "
+                    f"module {self._names[call.module]!r} produced batch size {call.batch} but the "
                     f"loss has {batch}: hooked modules must see per-sample inputs, batch first (pass "
                     "Hugging Face models position_ids of shape [B, T])"
                 )
