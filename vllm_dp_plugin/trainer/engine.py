@@ -299,7 +299,6 @@ class DPEngine:
         for param, total in zip(self._params, totals, strict=True):  # in place: no second copy of the sums
             total.div_(self.config.expected_batch_size)
             param.grad = total if total.dtype == param.dtype else total.to(param.dtype)
-        del totals
 
     def noise_state(self) -> torch.Tensor:
         """The noise generator's state (for checkpoints; as secret as the data: with it the noise
