@@ -8,20 +8,25 @@ import json
 import pytest
 
 from vllm_dp_plugin.benchmarks import train
+from vllm_dp_plugin.benchmarks.lib.scenarios import resolve_model
 
 DATE = "2026-11-23"
+
+
+def written(stem):
+    """(results, markdown, png path) a run wrote under ``stem``."""
+    return (
+        json.loads(stem.with_name(stem.name + ".json").read_text()),
+        stem.with_name(stem.name + ".md").read_text(),
+        stem.with_name(stem.name + ".png"),
+    )
 
 
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
     out = tmp_path_factory.mktemp("train")
     assert train.main(["--quick", "--out", str(out), "--date", DATE, "--quiet"]) == 0
-    stem = out / f"train-cpu-{DATE}"
-    return (
-        json.loads(stem.with_name(stem.name + ".json").read_text()),
-        stem.with_name(stem.name + ".md").read_text(),
-        stem.with_name(stem.name + ".png"),
-    )
+    return written(out / f"train-cpu-{DATE}")
 
 
 def test_quick_run_has_every_method_row(quick):
@@ -148,12 +153,7 @@ def _model_args(llama_dir, *extra):
 def model_run(llama_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("train-model")
     assert train.main([*_model_args(llama_dir), "--out", str(out), "--date", DATE, "--quiet"]) == 0
-    stem = out / f"train-{LLAMA}-cpu-{DATE}"
-    return (
-        json.loads(stem.with_name(stem.name + ".json").read_text()),
-        stem.with_name(stem.name + ".md").read_text(),
-        stem.with_name(stem.name + ".png"),
-    )
+    return written(out / f"train-{LLAMA}-cpu-{DATE}")
 
 
 def test_model_run_has_full_and_lora_rows(model_run):
@@ -268,4 +268,4 @@ def test_model_arguments_are_checked(llama_dir, tmp_path):
     spec = train._spec_from_args(args, str(llama_dir))
     assert (spec.size.batch, spec.size.seq_len) == train.MODEL_BATCH["cpu"] == (32, 128)
     assert spec.lora == train.LoraSpec() and spec.model == str(llama_dir)
-    assert train.resolve_model(str(llama_dir)) == (LLAMA, str(llama_dir))
+    assert resolve_model(str(llama_dir)) == (LLAMA, str(llama_dir))

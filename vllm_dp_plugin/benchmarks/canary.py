@@ -34,6 +34,7 @@ import torch
 from vllm_dp_plugin.benchmarks.lib.cli import (
     add_date_arg,
     add_out_arg,
+    command_line,
     floats,
     ints,
     names,
@@ -51,6 +52,7 @@ from vllm_dp_plugin.benchmarks.lib.report import (
     write_json,
     write_text,
 )
+from vllm_dp_plugin.benchmarks.lib.scenarios import resolve_model
 from vllm_dp_plugin.trainer.canary import (
     canary_exposure,
     insert_canaries,
@@ -59,15 +61,6 @@ from vllm_dp_plugin.trainer.canary import (
 )
 from vllm_dp_plugin.trainer.lora import LLAMA_PROJECTIONS, LoraSpec
 from vllm_dp_plugin.trainer.train import TrainConfig, make_records, train
-
-MODELS = {"smollm2": ".models/smollm2-135m-instruct"}
-
-
-def model_path(name: str) -> Path:
-    path = Path(MODELS.get(name, name))
-    if not (path / "config.json").exists():
-        raise SystemExit(f"vllm-dp bench canary: no Hugging Face model at {path} (make real-models builds smollm2)")
-    return path
 
 
 def split_documents(docs: Sequence[str], tokenizer, seq_len: int, val_records: int, seed: int):
@@ -88,10 +81,10 @@ def evaluate(model, tokenizer, val, canaries) -> dict:
     return {"perplexity": perplexity(model, val), "canaries": exposures}
 
 
-def run_config(args, data: Path, work: Path, name: str, epsilon: float | None) -> TrainConfig:
+def run_config(args, model: str, data: Path, work: Path, name: str, epsilon: float | None) -> TrainConfig:
     lora = None if args.full else LoraSpec(r=args.lora_r, alpha=2.0 * args.lora_r, target_modules=args.lora_targets)
     return TrainConfig(
-        model=str(model_path(args.model)), output_dir=str(work / name), data=str(data), seq_len=args.seq_len,
+        model=model, output_dir=str(work / name), data=str(data), seq_len=args.seq_len,
         epsilon=epsilon or 1.0, private=epsilon is not None, epochs=args.epochs, batch_size=args.batch_size,
         max_physical_batch=args.max_physical_batch, learning_rate=args.lr, seed=args.seed, lora=lora,
         checkpoint_every=10**6,
@@ -241,7 +234,10 @@ def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
     args, argv = parse(args, build_parser)
     args.date = today(args.date)
     log = logger(not args.quiet)
-    path = model_path(args.model)
+    try:
+        model_name, path = resolve_model(args.model)
+    except ValueError as err:
+        raise SystemExit(str(err)) from None
     tokenizer = AutoTokenizer.from_pretrained(path)
     docs = public_corpus()[: args.max_docs or None]
     train_docs, val_docs = split_documents(docs, tokenizer, args.seq_len, args.val_records, args.seed)
@@ -255,9 +251,8 @@ def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
         data = work / "train.txt"
         data.write_text("\n\n".join(d.replace("\n\n", "\n") for d in insert_canaries(train_docs, canaries, args.seed)))
         records = len(make_records(data.read_text().split("\n\n"), tokenizer, args.seq_len))
-        plan = plan_run(run_config(args, data, work, "plan", 1.0), records)
+        plan = plan_run(run_config(args, path, data, work, "plan", 1.0), records)
         label = device_label(torch.device("cpu"))
-        model_name = args.model if args.model in MODELS else path.name
         stem = Path(args.out) / f"canary-{model_name}-{run_label(args)}-{label}-{args.date}"
         results = {
             "settings": {"mode": "full fine-tuning" if args.full else
@@ -274,7 +269,7 @@ def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
             log(f"{run['name']}: perplexity {run['perplexity']:.3f}, exposures "
                 f"{[round(c['exposure'], 2) for c in run['canaries']]}")
             results["meta"] = {"model": model_name, "device": label, "date": args.date,
-                               "command": " ".join(["vllm-dp bench canary", *(argv or [])]),
+                               "command": command_line("vllm-dp bench canary", argv),
                                "env": environment(torch.device("cpu")), "wall_s": time.perf_counter() - start,
                                "loadavg_start": load_start, "loadavg_end": loadavg()}
             write(results, stem)
@@ -284,7 +279,7 @@ def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
             name = "non-private" if epsilon is None else f"dp eps={epsilon:g}"
             log(f"training {name} ...")
             t0 = time.perf_counter()
-            report = train(run_config(args, data, work, name.replace(" ", "_"), epsilon), progress=not args.quiet)
+            report = train(run_config(args, path, data, work, name.replace(" ", "_"), epsilon), progress=not args.quiet)
             run = {"name": name, "epsilon": report["epsilon"], "noise_multiplier": report.get("noise_multiplier"),
                    "train_s": time.perf_counter() - t0}
             finish({**run, **evaluate(load(work / name.replace(" ", "_") / "model"), tokenizer, val, canaries)})

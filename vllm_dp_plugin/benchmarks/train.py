@@ -72,7 +72,6 @@ import argparse
 import contextlib
 import dataclasses
 import multiprocessing
-import re
 import statistics
 import sys
 import time
@@ -108,8 +107,7 @@ from vllm_dp_plugin.benchmarks.lib.report import (
     write_json,
     write_text,
 )
-from vllm_dp_plugin.benchmarks.lib.scenarios import DEFAULT_MODEL as SMOLLM2
-from vllm_dp_plugin.benchmarks.lib.scenarios import ensure_model
+from vllm_dp_plugin.benchmarks.lib.scenarios import resolve_model
 from vllm_dp_plugin.trainer.engine import DPConfig, DPEngine, causal_lm_per_sample_loss
 from vllm_dp_plugin.trainer.lora import LoraSpec, apply_lora
 
@@ -118,7 +116,6 @@ TARGET_MEMORY_RATIO = 1.3  # ours <= 1.3x the non-private peak memory
 MODEL_TARGET_TIME_RATIO = 1.25  # --model: ours (full fine-tuning) <= 1.25x the non-private step time
 MODEL_TARGET_MEMORY_RATIO = 1.2  # --model: ours <= 1.2x the non-private peak memory
 LORA_TARGET_RATIO = 1.15  # --model: ours LoRA <= 1.15x non-private LoRA, step time and peak memory
-MODEL_ALIASES = {"smollm2": SMOLLM2}  # --model NAME -> directory (SmolLM2 is imported when missing)
 MODEL_BATCH = {"cpu": (32, 128), "cuda": (32, 512)}  # --model default (batch, seq len) by device type
 QUICK_MODEL_BATCH = (2, 16)  # --model with --quick
 TINY_VOCAB, TINY_BATCH, TINY_SEQ = 1024, 4, 32  # --model norm check: 2-layer Llama of the model's shape
@@ -810,17 +807,6 @@ def build_parser(prog: str = "vllm-dp bench train") -> argparse.ArgumentParser:
         description="DP training step time and peak memory: non-private, ours, Opacus ghost clipping, torch.func; "
         "with --model (e.g. smollm2) full and LoRA fine-tuning of a real model.",
     ))
-
-
-def resolve_model(text: str) -> tuple[str, str]:
-    """``(name, directory)`` of ``--model``: an alias (``smollm2``; imported when missing) or a
-    directory with a ``config.json`` (named by its last component, for the result files)."""
-    if text in MODEL_ALIASES:
-        return text, ensure_model(MODEL_ALIASES[text])
-    if not (Path(text) / "config.json").exists():
-        raise ValueError(f"--model {text!r}: not one of {sorted(MODEL_ALIASES)} nor a directory with a config.json")
-    name = re.sub(r"[^a-z0-9._-]+", "-", Path(text).resolve().name.lower()).strip("-.") or "model"
-    return name, text
 
 
 def _model_size(path: str, batch: int, seq_len: int) -> ModelSize:

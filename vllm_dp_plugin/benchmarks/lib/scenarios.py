@@ -1,11 +1,13 @@
 """The private-context benchmarks' shared data: the chat model, the scenarios (``bench context``'s
 schema and bundled file), the token layout of a context and a question, answer scoring, and the
-model's cached public calibration. Used by ``bench context`` and ``bench attention-real``."""
+model's cached public calibration. Used by ``bench context`` and ``bench attention-real``;
+``resolve_model`` also by ``bench train`` and ``bench canary``."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -121,6 +123,21 @@ def ensure_model(model: str) -> str:
 
         return str(import_model(DEFAULT_MODEL_NAME, model))
     raise SystemExit(f"vllm-dp bench: no model at {model}")
+
+
+MODEL_ALIASES = {"smollm2": DEFAULT_MODEL}  # --model NAME -> directory (SmolLM2 is imported when missing)
+
+
+def resolve_model(text: str) -> tuple[str, str]:
+    """``(name, directory)`` of a suite's ``--model``: an alias (``smollm2``; imported when
+    missing) or a directory with a ``config.json`` (named by its last component, for the result
+    files)."""
+    if text in MODEL_ALIASES:
+        return text, ensure_model(MODEL_ALIASES[text])
+    if not (Path(text) / "config.json").exists():
+        raise ValueError(f"--model {text!r}: not one of {sorted(MODEL_ALIASES)} nor a directory with a config.json")
+    name = re.sub(r"[^a-z0-9._-]+", "-", Path(text).resolve().name.lower()).strip("-.") or "model"
+    return name, text
 
 
 def cached_calibration(model: str, cache_dir: Path) -> Path:
