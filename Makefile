@@ -17,8 +17,9 @@ MODEL ?= $(CHAT_MODEL)
 DP_CONFIG ?= $(if $(filter $(CHAT_MODEL),$(MODEL)),examples/serve-smollm2-aggregate.yaml,$(if $(filter $(DEMO_MODEL),$(MODEL)),examples/serve-dp.yaml))
 HOST ?= 127.0.0.1
 PORT ?= 8000
-# On CPU this fraction of RAM is reserved for the KV cache; keep it small on a 2-core box.
-SERVE_FLAGS ?= --dtype float32 --max-model-len 4096 --block-size 32 --enforce-eager --gpu-memory-utilization 0.25
+# `vllm-dp serve` on CPU sizes the KV cache in bytes from the model and --max-model-len (4 such
+# sequences); VLLM_DP_KV_CACHE_BYTES=2GiB or --kv-cache-memory-bytes in SERVE_FLAGS overrides it.
+SERVE_FLAGS ?= --dtype float32 --max-model-len 4096 --block-size 32 --enforce-eager
 
 .PHONY: install test serve bench demo demo-model real-models clean gpu-wheels
 

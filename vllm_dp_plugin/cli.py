@@ -17,6 +17,7 @@
     vllm-dp bench context [options]             private context: shared facts, secret leak, public answers vs eps
     vllm-dp bench whisper [options]             Whisper tiny.en word error rate vs eps (DP cross-attention)
     vllm-dp bench attention-real [options]      offline per-layer causes on SmolLM2: sinks, kernel error, noise
+    vllm-dp bench aggregate-batch [options]     answer-level aggregation's member batch vs one plain request
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ BENCH_SUITES = {  # `vllm-dp bench SUITE` -> (module in vllm_dp_plugin.benchmark
     "context": ("context", "private context on a chat model: shared facts kept, secret leaked, public answers vs eps"),
     "whisper": ("whisper", "Whisper tiny.en word error rate vs eps with DP cross-attention (stock, dp_off, state, tree)"),
     "attention-real": ("attention_real", "why DP attention garbles a real chat model, offline: sinks, kernel error, noise, per layer"),
+    "aggregate-batch": ("aggregate_batch", "answer-level aggregation: k member prompts batched vs one plain request (transformers)"),
 }
 
 
@@ -145,9 +147,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serve(args: argparse.Namespace, rest: list[str]) -> int:
-    from .serving.launch import run_vllm_cli, serve_arguments
+    from .serving.launch import run_vllm_cli, serve_arguments, sized_kv_cache
 
-    return run_vllm_cli(["serve", *serve_arguments(rest, args.dp_config)])
+    return run_vllm_cli(["serve", *sized_kv_cache(serve_arguments(rest, args.dp_config))])
 
 
 def _calibrate(args: argparse.Namespace, rest: list[str]) -> int:

@@ -154,6 +154,7 @@ def test_row_registry_jobs_and_servers(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match="unknown row"):
         bench.jobs_of(["nope"], [8.0])
     b = bench.Bench("m", bench.make_scenarios(2, seed=0), tmp_path, tmp_path / "cache")
+    monkeypatch.setattr(bench.Bench, "engine_flags", lambda self: ["--engine"])
     both = b.scenarios
     assert bench.ROWS["none"].server(b, None, both) == bench.ROWS["full"].server(b, None, both)  # one stock server
     assert dict(bench.ROWS["none"].server(b, None, both).env)["VLLM_PLUGINS"] == ""
@@ -172,6 +173,7 @@ def test_row_registry_jobs_and_servers(tmp_path, monkeypatch):
 
 def test_rows_of_one_mode_get_their_own_config_and_ledger_and_document_rows_their_collections(tmp_path, monkeypatch):
     b = bench.Bench("m", bench.make_scenarios(2, seed=0), tmp_path, tmp_path / "cache")
+    monkeypatch.setattr(bench.Bench, "engine_flags", lambda self: ["--engine"])
     monkeypatch.setattr(bench.Bench, "calibration", lambda self: tmp_path / "cal.json")
     monkeypatch.setattr(bench.Bench, "context_files",
                         lambda self, scenarios: {s["id"]: str(tmp_path / f"{s['id']}.txt") for s in scenarios})
@@ -183,6 +185,35 @@ def test_rows_of_one_mode_get_their_own_config_and_ledger_and_document_rows_thei
     assert configs["dp_state_bare"]["attention"]["public_head"] == 0 and configs["dp_state_head"]["attention"]["gate"] is False
     doc = configs["dp_state_doc"]["attention"]
     assert doc["unit"] == "document" and all(p.endswith(".jsonl") for p in doc["contexts"].values())
+
+
+def test_servers_take_the_models_length_and_a_row_that_cannot_fit_is_recorded_not_run(demo_model, tmp_path,
+                                                                                       monkeypatch):
+    from vllm_dp_plugin.serving.memory import kv_cache_bytes
+
+    scenarios = bench.make_scenarios(2, seed=0)
+    b = bench.Bench(str(demo_model), scenarios, tmp_path, tmp_path / "cache", max_tokens=8, concurrency=3)
+    assert b.max_model_len == 8192  # the demo model's own maximum (max_position_embeddings)
+    flags = b.engine_flags()
+    longest = max(len(b.layout().full_ids(s["documents"], q["q"])) for s in scenarios for q in s["questions"])
+    assert flags[flags.index("--max-model-len") + 1] == "8192" and "--gpu-memory-utilization" not in flags
+    assert int(flags[flags.index("--kv-cache-memory-bytes") + 1]) == kv_cache_bytes(
+        str(demo_model), 8192, 3, tokens=longest + 8)
+    assert bench.ROWS["none"].server(b, None, scenarios) == bench.ROWS["full"].server(b, None, scenarios)
+    assert b.misfit(bench.ROWS["full"], scenarios) is None
+    huge = [{**scenarios[0], "documents": [*scenarios[0]["documents"], "word " * 9000]}]
+    b = bench.Bench(str(demo_model), huge, tmp_path, tmp_path / "cache", max_tokens=8)
+    assert b.misfit(bench.ROWS["none"], huge) is None  # the user turn alone
+    assert b.misfit(bench.ROWS["full"], huge).startswith("does not fit: a request needs ")
+    monkeypatch.setattr(bench, "RunningServer", None)  # no server may start
+    results, _, _ = bench.run(b, ["full"], [], log=lambda *_: None)
+    assert results == [bench.unfit("full", None, b.misfit(bench.ROWS["full"], huge))]
+    lines = bench.markdown({"rows": results, "question_counts": {"shared": 1, "secret": 1, "public": 1},
+                            "device": "cpu", "date": "d", "command": "c", "model": "m", "scenarios": "s",
+                            "n_scenarios": 1, "max_tokens": 8, "concurrency": 1}).splitlines()
+    assert any(line.startswith("| full |  | does not fit: ") for line in lines)
+    bench.plot({"rows": results, "model": "m", "device": "cpu", "question_counts_by_support": {}},
+               tmp_path / "p.png")
 
 
 def test_rows_split_scenarios_over_servers():

@@ -12,18 +12,14 @@ from vllm_dp_plugin.config import DPPrivacyConfig
 
 
 def test_prompt_config_is_a_valid_dp_private_server(tmp_path):
-    args = argparse.Namespace(mechanism="laplace", epsilon=7.0, search="hnsw", gpu_memory_utilization=None)
+    args = argparse.Namespace(mechanism="laplace", epsilon=7.0, search="hnsw")
     flags, env = config_of("prompt", args, tmp_path)
     assert flags[flags.index("--tokenizer-mode") + 1] == "dp_private" and env["VLLM_PLUGINS"] == "dp_privacy"
     cfg = DPPrivacyConfig.from_dict(json.loads(flags[flags.index("--additional-config") + 1])["dp_privacy"])
     assert cfg.prompt.mechanism == "laplace" and cfg.prompt.epsilon == 7.0 and cfg.attention is None
-    assert cfg.prompt.search == "hnsw" and "--gpu-memory-utilization" not in flags
+    assert cfg.prompt.search == "hnsw"
     flags, env = config_of("stock", args, tmp_path)
     assert flags == [] and env["VLLM_PLUGINS"] == ""
-    args.gpu_memory_utilization = 0.15  # both servers get the same override
-    for name in ("stock", "prompt"):
-        flags, _ = config_of(name, args, tmp_path)
-        assert flags[-2:] == ["--gpu-memory-utilization", "0.15"]
 
 
 def test_summary_takes_the_median_run_and_judges_the_overhead():

@@ -14,7 +14,7 @@ from tests.serving.engines import vllm_dp_server
 from vllm_dp_plugin.models import ModelImportError, import_model
 
 REPO = Path(__file__).resolve().parents[2]
-FLAGS = ["--dtype", "float32", "--block-size", "32", "--enforce-eager", "--gpu-memory-utilization", "0.25"]
+FLAGS = ["--dtype", "float32", "--block-size", "32", "--enforce-eager"]
 SENTENCES = ["The weather today is cold and windy with a chance of rain.",
              "Please send the report to the finance team before Friday."]
 

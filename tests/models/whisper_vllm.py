@@ -30,11 +30,12 @@ def main(model: str) -> None:
     from vllm import LLM, SamplingParams
 
     from vllm_dp_plugin.models.speech import synthesize, word_error_rate
+    from vllm_dp_plugin.serving.memory import kv_cache_args
 
     audios = [(synthesize(text), 16000) for text in SENTENCES]
     started = time.monotonic()
     llm = LLM(model=model, dtype="float32", max_model_len=448, enforce_eager=True,
-              gpu_memory_utilization=0.25, limit_mm_per_prompt={"audio": 1}, seed=0)
+              limit_mm_per_prompt={"audio": 1}, seed=0, **kv_cache_args(model, 448))
     load_s = time.monotonic() - started
     params = SamplingParams(temperature=0.0, max_tokens=64)
     forms = {

@@ -265,16 +265,18 @@ def run_step(llm, step):
 def main(job: dict) -> None:
     from vllm import LLM
 
+    from vllm_dp_plugin.serving.memory import kv_cache_args
+
     kwargs = {
         "model": job["model"],
         "dtype": "float32",
         "block_size": 32,
         "max_model_len": 1024,
         "enforce_eager": True,
-        "gpu_memory_utilization": 0.25,
         "seed": 0,
     }
     kwargs.update(job.get("llm", {}))
+    kwargs = {**kv_cache_args(kwargs["model"], kwargs["max_model_len"]), **kwargs}
     llm = LLM(**kwargs)
     results = [run_step(llm, step) for step in job["steps"]]
     print("RESULT " + json.dumps(results), flush=True)

@@ -14,6 +14,7 @@ def main(model: str) -> None:
     from vllm import LLM, SamplingParams
 
     import vllm_dp_plugin
+    from vllm_dp_plugin.serving.memory import kv_cache_args
 
     llm = LLM(
         model=model,
@@ -21,8 +22,8 @@ def main(model: str) -> None:
         block_size=32,
         max_model_len=1024,
         enforce_eager=True,
-        gpu_memory_utilization=0.25,
         seed=0,
+        **kv_cache_args(model, 1024),
     )
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=16))
     result = {

@@ -19,14 +19,16 @@ def run_engine(engine: dict, prompts: list[str], max_tokens: int) -> list[list[l
     from vllm import LLM, SamplingParams
     from vllm.lora.request import LoRARequest
 
+    from vllm_dp_plugin.serving.memory import kv_cache_args
+
     kwargs = {
         "model": engine["model"],
         "dtype": "float32",
         "block_size": 32,
         "max_model_len": 256,
         "enforce_eager": True,
-        "gpu_memory_utilization": 0.15,
         "seed": 0,
+        **kv_cache_args(engine["model"], 256),
         **engine.get("llm", {}),
     }
     llm = LLM(**kwargs)

@@ -63,7 +63,7 @@ def server(tmp_path_factory):
         proc = subprocess.Popen(
             [cli, "serve", str(model), "--dp-config", str(config), "--host", "127.0.0.1",
              "--port", str(port), "--dtype", "float32", "--max-model-len", "1024",
-             "--block-size", "32", "--enforce-eager", "--gpu-memory-utilization", "0.25"],
+             "--block-size", "32", "--enforce-eager"],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env,
         )
     base = f"http://127.0.0.1:{port}"

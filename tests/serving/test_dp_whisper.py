@@ -20,7 +20,7 @@ from .engines import run_engine, vllm_dp_server, write_dp_yaml
 
 WHISPER_LLM = {"max_model_len": 448, "max_num_batched_tokens": 2048, "limit_mm_per_prompt": {"audio": 1}}
 SERVE_FLAGS = ["--dtype", "float32", "--max-model-len", "448", "--max-num-batched-tokens", "2048",
-               "--block-size", "32", "--enforce-eager", "--gpu-memory-utilization", "0.25",
+               "--block-size", "32", "--enforce-eager",
                "--limit-mm-per-prompt", '{"audio": 1}']
 TRANSCRIBE = {"audio_hz": [440.0, 880.0], "max_tokens": 8}
 # request 0 starts; 1 joins after 2 steps, while 0 decodes; 2 (0's audio) once both finished

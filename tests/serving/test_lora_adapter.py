@@ -146,8 +146,7 @@ def test_the_openai_server_routes_model_names_to_adapters(artefacts, generated):
     a = artefacts
     argv = [str(a["base"]), "--enable-lora", "--max-lora-rank", str(RANK),
             "--lora-modules", f"hand={a['hand_adapter']}", f"trained={a['trained_adapter']}",
-            "--dtype", "float32", "--block-size", "32", "--max-model-len", "256", "--enforce-eager",
-            "--gpu-memory-utilization", "0.15", "--seed", "0"]
+            "--dtype", "float32", "--block-size", "32", "--max-model-len", "256", "--enforce-eager", "--seed", "0"]
     with vllm_dp_server(argv, a["tmp"] / "serve.log") as url:
         with urllib.request.urlopen(url + "/v1/models", timeout=60) as response:
             names = {m["id"] for m in json.loads(response.read())["data"]}

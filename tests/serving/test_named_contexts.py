@@ -463,7 +463,7 @@ def test_requests_read_only_their_own_context_release_through_llm_and_server(dem
     tokenizer = AutoTokenizer.from_pretrained(demo_model)
     config = write_dp_yaml(tmp_path / "dp.yaml", section)
     argv = [demo_model, "--dp-config", str(config), "--dtype", "float32", "--max-model-len", "1024",
-            "--block-size", "32", "--enforce-eager", "--gpu-memory-utilization", "0.25"]
+            "--block-size", "32", "--enforce-eager"]
     with vllm_dp_server(argv, tmp_path / "serve.log") as base:
         for xargs, expected in (({"dp_context": "beta"}, beta), ({"dp_context": "zeta"}, zeta), ({}, zeta)):
             status, done = request(base + "/v1/completions", {

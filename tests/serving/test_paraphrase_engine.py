@@ -14,6 +14,8 @@ DRAWS = 3000
 EPS, WIDTH = 20.0, 0.5  # the demo model: 16 tokens above 1%, the floor ~2000 tokens share ~10%
 PVALUE = 1e-4
 
+pytestmark = pytest.mark.vllm  # every test reads the engine's results
+
 
 @pytest.fixture(scope="module")
 def demo_model(tmp_path_factory):
@@ -37,7 +39,7 @@ def results(demo_model):
         {"requests": [{**g, "rewrite": {"epsilon": 1e12, "width": WIDTH, "seed": 0}} for g in greedy]},
         {"verify_paraphrase": True},
     ]
-    return run_engine({"model": demo_model, "llm": {"gpu_memory_utilization": 0.15}, "steps": steps},
+    return run_engine({"model": demo_model, "steps": steps},
                       vllm_plugins="dp_privacy")  # the general plugin installs the processor check
 
 

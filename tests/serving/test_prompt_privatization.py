@@ -3,7 +3,7 @@
 Three vLLM instances, each shared by the whole module (a start is ~40-75 s): an ``LLM`` in
 tokens mode with a private context (DP attention) as well, an ``LLM`` in embeddings mode, and
 one ``vllm-dp serve`` server in tokens mode for the OpenAI routes, which boots while the first
-``LLM`` runs (small KV caches: ``gpu_memory_utilization`` 0.1 each). The engine must receive
+``LLM`` runs (small KV caches, sized in bytes: ``serving.memory``). The engine must receive
 privatized ids at the user's positions and untouched ids everywhere else (system prompt,
 template, private context); a huge epsilon must give back the user's own ids; receipts come
 back; bad options are refused with a clear message; the history cache reuses earlier turns within
@@ -42,7 +42,6 @@ BAD_OPTIONS = [
     ({"dp_session": "conversation-42"}, "vllm_xargs.dp_session must be a secret string of 22 to 256"),
 ]
 PROMPT_SECTION = {"mechanism": "trlap_corrected", "epsilon": 10.0, "max_epsilon": 1e7}
-MEMORY = 0.1  # of RAM for each instance's KV cache: the demo needs little, two run at once
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +106,7 @@ def llm_tokens(demo_model, server_process, tmp_path_factory):
         chat_step(TURN2, {}),  # no session: nothing reused
         *[chat_step([SYSTEM, USER], bad) for bad, _ in BAD_OPTIONS],
     ]
-    job = {"model": demo_model, "llm": {"tokenizer_mode": "dp_private", "gpu_memory_utilization": MEMORY,
+    job = {"model": demo_model, "llm": {"tokenizer_mode": "dp_private",
                                         "additional_config": {"dp_privacy": section}}, "steps": steps}
     return run_engine(job), deployment
 
@@ -204,7 +203,6 @@ def test_llm_embeddings_mode_sends_noisy_embeddings_for_user_positions(demo_mode
     section = {"key_file": str(tmp_path / "noise.key"), "prompt": {**PROMPT_SECTION, "mode": "embeddings"}}
     steps = [chat_step([SYSTEM, USER], {}), {"prompts": [COMPLETION], "max_tokens": 4, "dp_options": {}}]
     job = {"model": demo_model, "llm": {"tokenizer_mode": "dp_private", "enable_prompt_embeds": True,
-                                        "gpu_memory_utilization": MEMORY,
                                         "additional_config": {"dp_privacy": section}}, "steps": steps}
     chat, completion = run_engine(job)
     placeholder = len(tokenizer)  # vLLM's <prompt_embeds> token, added after the vocabulary
@@ -235,7 +233,7 @@ def server_process(demo_model, tmp_path_factory):
         proc = subprocess.Popen(
             [cli, "serve", demo_model, "--dp-config", str(config), "--tokenizer-mode", "dp_private",
              "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "1024",
-             "--block-size", "32", "--enforce-eager", "--gpu-memory-utilization", str(MEMORY)],
+             "--block-size", "32", "--enforce-eager"],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env,
         )
     try:

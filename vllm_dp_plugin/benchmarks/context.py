@@ -96,6 +96,7 @@ from vllm_dp_plugin.benchmarks.lib.scenarios import (
     load_scenarios,
 )
 from vllm_dp_plugin.benchmarks.lib.vllm import LAUNCH, VLLM_DP
+from vllm_dp_plugin.serving.memory import kv_cache_flags, kv_shape
 
 DOCUMENT_TOKENS = 64  # unit document rows: the scenarios' longest document is 53 SmolLM2 tokens
 DEFAULT_EPS = (1.0, 4.0, 8.0, 64.0)
@@ -105,8 +106,8 @@ DELTA = 1e-6
 SUPPORTS = (1, 3, 10, 20)
 ROW_KEYS = ("row", "eps", "shared_accuracy", "secret_leak_rate", "public_accuracy",
             "seconds_per_answer", "n_questions")
-ENGINE_FLAGS = ["--dtype", "float32", "--max-model-len", "4096", "--block-size", "32", "--enforce-eager",
-                "--gpu-memory-utilization", "0.1", "--seed", "0"]  # KV: 2.4 GB of 24
+# Every server's engine; Bench.engine_flags adds the model's own --max-model-len and the KV cache in bytes.
+ENGINE_FLAGS = ["--dtype", "float32", "--block-size", "32", "--enforce-eager", "--seed", "0"]
 
 
 # =========================================================================== scenario generator
@@ -442,7 +443,12 @@ def summarize(row: str, eps: float | None, answers: Sequence[Answer], seconds: f
             "n_questions": len(answers)}
 
 
-# =========================================================================== token layout
+def unfit(row: str, eps: float | None, why: str) -> dict:
+    """The result row of a row that could not run (``why`` in ``note``; no answers)."""
+    return {"row": row, "eps": eps, "shared_accuracy": {}, "secret_leak_rate": None, "public_accuracy": None,
+            "seconds_per_answer": None, "n_questions": 0, "note": why}
+
+
 # =========================================================================== rows
 @dataclass(frozen=True)
 class Server:
@@ -475,7 +481,7 @@ class Row:
 
 
 def stock_server(bench: Bench, eps: float | None, scenarios: Sequence[dict]) -> Server:
-    return Server(cmd=(*LAUNCH, "serve", bench.model, *ENGINE_FLAGS), env=(("VLLM_PLUGINS", ""),))
+    return Server(cmd=(*LAUNCH, "serve", bench.model, *bench.engine_flags()), env=(("VLLM_PLUGINS", ""),))
 
 
 def dp_server(mode: str, **attention: object) -> Callable[[Bench, float | None, Sequence[dict]], Server]:
@@ -498,7 +504,7 @@ def dp_server(mode: str, **attention: object) -> Callable[[Bench, float | None, 
         config = bench.work / f"dp-{name}.json"
         config.write_text(json.dumps({"dp_privacy": section}, indent=1))
         return Server(cmd=(*VLLM_DP, "serve", bench.model, "--dp-config", str(config), "--tokenizer-mode",
-                           "dp_private", *ENGINE_FLAGS), env=(("VLLM_PLUGINS", None),), dp=True)
+                           "dp_private", *bench.engine_flags()), env=(("VLLM_PLUGINS", None),), dp=True)
 
     return server
 
@@ -520,7 +526,7 @@ def aggregate_server(mechanism: str, **settings: object) -> Callable[[Bench, flo
         }
         config = bench.work / f"dp-{name}.json"
         config.write_text(json.dumps({"dp_privacy": section}, indent=1))
-        return Server(cmd=(*VLLM_DP, "serve", bench.model, "--dp-config", str(config), *ENGINE_FLAGS),
+        return Server(cmd=(*VLLM_DP, "serve", bench.model, "--dp-config", str(config), *bench.engine_flags()),
                       env=(("VLLM_PLUGINS", None),), dp=True)
 
     return server
@@ -599,6 +605,7 @@ class Bench:
     concurrency: int = 8
     _calibration: Path | None = None
     _layout: ChatLayout | None = None
+    _engine_flags: list[str] | None = None
 
     def calibration(self) -> Path:
         """The model's public calibration (``vllm-dp calibrate``), cached by weights digest."""
@@ -628,6 +635,33 @@ class Bench:
                 path.write_text(render(s), encoding="utf-8")
             files[s["id"]] = str(path)
         return files
+
+    @property
+    def max_model_len(self) -> int:
+        """Every server's ``--max-model-len``: the model's own maximum (a row whose requests need
+        more does not fit)."""
+        return kv_shape(self.model).max_positions
+
+    def engine_flags(self) -> list[str]:
+        """``ENGINE_FLAGS``, ``--max-model-len`` and a KV cache (bytes) for ``concurrency``
+        sequences of the longest plain request (documents + question + answer); the same for
+        every server, so rows with equal servers share one."""
+        if self._engine_flags is None:
+            layout = self.layout()
+            longest = max(len(layout.full_ids(s["documents"], q["q"])) for s in self.scenarios for q in s["questions"])
+            tokens = min(self.max_model_len, longest + self.max_tokens)
+            self._engine_flags = [*ENGINE_FLAGS, "--max-model-len", str(self.max_model_len),
+                                  *kv_cache_flags(self.model, self.max_model_len, self.concurrency, tokens=tokens)]
+        return self._engine_flags
+
+    def misfit(self, row: Row, scenarios: Sequence[dict]) -> str | None:
+        """Why ``row`` cannot serve ``scenarios`` (a request longer than ``max_model_len``), or None."""
+        layout = self.layout()
+        need = max(row.request(layout, s, q).expected_prompt_tokens for s in scenarios for q in s["questions"])
+        if need + self.max_tokens <= self.max_model_len:
+            return None
+        return (f"does not fit: a request needs {need} + {self.max_tokens} tokens, the model holds "
+                f"{self.max_model_len}")
 
     def layout(self) -> ChatLayout:
         if self._layout is None:
@@ -725,6 +759,14 @@ def run(bench: Bench, rows: Sequence[str], eps: Sequence[float], log=None,
         for name, e in jobs:
             row, label = ROWS[name], name if e is None else f"{name} eps={e:g}"
             answers, seconds = [], 0.0
+            misfit = bench.misfit(row, bench.scenarios)
+            if misfit is not None:
+                results.append(unfit(name, e, misfit))
+                log(f"vllm-dp bench context: {describe(results[-1])}")
+                if after_row is not None:
+                    after_row(results, budgets, samples)
+                bar.update(1)
+                continue
             with tqdm(total=n_questions, desc=label, unit="q", position=1, leave=False) as qbar:
                 for part in server_parts(row, bench.scenarios):
                     tag = label.replace(" eps=", "@") + f"-{part[0]['id']}"
@@ -811,8 +853,10 @@ def speed_markdown(data: dict) -> str:
 
 
 def describe(r: dict) -> str:
-    shared = ", ".join(f"s{k} {v:.2f}" for k, v in r["shared_accuracy"].items())
     eps = "" if r["eps"] is None else f" eps={r['eps']:g}"
+    if r.get("note"):
+        return f"{r['row']}{eps}: {r['note']}"
+    shared = ", ".join(f"s{k} {v:.2f}" for k, v in r["shared_accuracy"].items())
     return (f"{r['row']}{eps}: shared [{shared}] secret leak {r['secret_leak_rate']:.2f} public "
             f"{r['public_accuracy']:.2f} ({r['seconds_per_answer']:.3f} s/answer, {r['n_questions']} questions)")
 
@@ -841,6 +885,9 @@ def markdown(data: dict) -> str:
     for r in data["rows"]:
         eps = "" if r["eps"] is None else f"{r['eps']:g}"
         shared = " | ".join(_pct(r["shared_accuracy"].get(str(s))) for s in supports)
+        if r.get("note"):
+            lines.append(f"| {r['row']} | {eps} | {r['note']} |" + " |" * (len(supports) + 3) + " 0 |")
+            continue
         lines.append(f"| {r['row']} | {eps} | {shared} | {_pct(r['secret_leak_rate'])} | "
                      f"{_pct(r['public_accuracy'])} | {r['seconds_per_answer']:.3f} | {r['n_questions']} |")
     if data.get("budgets"):
@@ -890,12 +937,13 @@ def plot(data: dict, path: Path) -> None:
     panels = (("shared-fact accuracy (all supports)", shared), ("public accuracy", lambda r: r["public_accuracy"]),
               ("secret leak rate", lambda r: r["secret_leak_rate"]))
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    private = [n for n in dict.fromkeys(r["row"] for r in data["rows"]) if ROWS.get(n) and ROWS[n].private]
+    rows = [r for r in data["rows"] if not r.get("note")]  # rows that ran
+    private = [n for n in dict.fromkeys(r["row"] for r in rows) if ROWS.get(n) and ROWS[n].private]
     for ax, (title, value) in zip(axes, panels, strict=True):
-        for i, r in enumerate(r for r in data["rows"] if r["eps"] is None):
+        for i, r in enumerate(r for r in rows if r["eps"] is None):
             ax.axhline(value(r), color=f"C{7 + i}", ls="--", lw=1, label=r["row"])
         for i, name in enumerate(private):
-            pts = sorted((r["eps"], value(r)) for r in data["rows"] if r["row"] == name)
+            pts = sorted((r["eps"], value(r)) for r in rows if r["row"] == name)
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=f"C{i}", label=name)
         ax.set_xscale("log")
         if not private:

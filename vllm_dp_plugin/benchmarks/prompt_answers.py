@@ -99,6 +99,7 @@ from vllm_dp_plugin.benchmarks.lib.scenarios import (
 from vllm_dp_plugin.privacy.trlaplace import paper_effective_dim
 from vllm_dp_plugin.prompt.mechanisms import MECHANISMS
 from vllm_dp_plugin.prompt.segments import Segment, mark_user_texts, segment_chat
+from vllm_dp_plugin.serving.memory import kv_cache_args
 
 SUITE = "prompt-answers"
 REFERENCE = "reference"
@@ -112,9 +113,13 @@ DEFAULT_EPS = (5.0, 10.0, 20.0, 50.0, 100.0, 200.0)
 MAHALANOBIS_LAMBDA = 0.5  # what the service's token_mechanism uses (its default)
 EXAMPLE_EPS = (10.0, 50.0, 200.0)
 MAX_MODEL_LEN = 2048
-# The engine of every row (the serving benchmarks' settings, a smaller share of device memory).
-LLM_ARGS = {"dtype": "float32", "enforce_eager": True, "gpu_memory_utilization": 0.15,
-            "max_model_len": MAX_MODEL_LEN, "block_size": 32, "seed": 0}
+# The engine of every row (the serving benchmarks' settings; its KV cache: llm_args).
+LLM_ARGS = {"dtype": "float32", "enforce_eager": True, "max_model_len": MAX_MODEL_LEN, "block_size": 32, "seed": 0}
+
+
+def llm_args(model: str) -> dict:
+    """``LLM_ARGS`` with a KV cache in bytes for ``model`` (serving.memory's default sequences)."""
+    return {**LLM_ARGS, **kv_cache_args(model, MAX_MODEL_LEN)}
 
 
 # --------------------------------------------------------------------------- settings
@@ -483,7 +488,7 @@ def start_engine(model: str):
     install_version_shim()
     from vllm import LLM
 
-    return LLM(model=model, **LLM_ARGS)
+    return LLM(model=model, **llm_args(model))
 
 
 def run(settings: Settings, llm=None) -> dict:
@@ -553,7 +558,7 @@ def run(settings: Settings, llm=None) -> dict:
             "keys": [q.key for q in questions],
             "kinds": [q.kind for q in questions],
         },
-        "engine": {"llm": LLM_ARGS, "vllm_plugins": os.environ.get("VLLM_PLUGINS"),
+        "engine": {"llm": llm_args(settings.model), "vllm_plugins": os.environ.get("VLLM_PLUGINS"),
                    "vllm": _vllm_version()},
         "table": bench.table_info,
         "rows": rows,

@@ -49,13 +49,12 @@ SHAPES = {"demo": {}, "wide": {"hidden_size": 512, "intermediate_size": 1536, "n
 
 def config_of(name: str, args: argparse.Namespace, work: Path) -> tuple[list[str], dict]:
     """(server flags, environment) of ``stock`` or ``prompt``."""
-    memory = [] if args.gpu_memory_utilization is None else ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
     if name == "stock":
-        return memory, config_env("stock")
+        return [], config_env("stock")
     section = {"key_file": str(work / "noise.key"),
                "prompt": {"mechanism": args.mechanism, "epsilon": args.epsilon, "search": args.search}}
     flags = ["--tokenizer-mode", "dp_private", "--additional-config", json.dumps({"dp_privacy": section})]
-    return [*flags, *memory], config_env("dp_prompt")
+    return flags, config_env("dp_prompt")
 
 
 def measure(args: argparse.Namespace, work: Path) -> list[dict]:
@@ -130,8 +129,6 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="prompt.search of the prompt server: exact (default) or an approximate faiss index")
     p.add_argument("--utility-tokens", type=int, default=4096,
                    help="tokens of English text for the exact-vs-approximate utility section (0: skip it)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=None,
-                   help="override the engines' KV-cache fraction of memory (default: the benchmarks' 0.25)")
     add_quick_arg(p, "smoke run: 64-token prompts, 4 prompts, 1 run")
     return p
 

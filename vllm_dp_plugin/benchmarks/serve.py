@@ -46,12 +46,14 @@ from vllm_dp_plugin.benchmarks.lib.report import (
     write_text,
 )
 from vllm_dp_plugin.benchmarks.lib.vllm import (
-    ENGINE_FLAGS,
     LAUNCH,
+    MAX_MODEL_LEN,
     config_env,
+    engine_flags,
     run_logged,
     served_latency,
 )
+from vllm_dp_plugin.serving.memory import kv_cache_args
 
 TARGETS = {"plugin_off_vs_stock": 0.97, "dp_state_decode_vs_stock": 0.8, "dp_state_prefix": 2048}
 
@@ -175,7 +177,8 @@ def dataset_flags(config: str, prefix_len: int, s: Settings, bench: str) -> list
 def throughput_row(config: str, prefix_len: int, s: Settings, work: Path) -> ThroughputRow:
     """One ``vllm bench throughput`` run in a fresh process."""
     result = work / f"throughput-{config}-{prefix_len}.json"
-    cmd = [*LAUNCH, "bench", "throughput", "--model", s.model, *ENGINE_FLAGS,
+    tokens = prefix_len + s.suffix_len + s.output_len  # every prompt in flight at once
+    cmd = [*LAUNCH, "bench", "throughput", "--model", s.model, *engine_flags(s.model, s.num_prompts, tokens),
            "--num-prompts", str(s.num_prompts), "--output-json", str(result),
            *dataset_flags(config, prefix_len, s, "throughput"), *config_flags(config, prefix_len, work, s)]
     run_logged(cmd, config_env(config), work / f"throughput-{config}-{prefix_len}.log")
@@ -198,7 +201,8 @@ def steady_row(config: str, prefix_len: int, s: Settings, work: Path) -> SteadyR
     tokenizer = AutoTokenizer.from_pretrained(s.model)
     flags = config_flags(config, prefix_len, work, s)
     llm = {"model": s.model, "dtype": "float32", "block_size": 32, "enforce_eager": True,
-           "gpu_memory_utilization": 0.25, "max_model_len": 4096, "seed": 0}
+           "max_model_len": MAX_MODEL_LEN, "seed": 0,
+           **kv_cache_args(s.model, MAX_MODEL_LEN, s.num_prompts, tokens=prefix_len + s.suffix_len + s.output_len)}
     if flags:
         llm.update(tokenizer_mode="dp_private", additional_config=json.loads(flags[-1]))
     prefix = [] if flags else tokenize_context(context.read_text(), tokenizer)

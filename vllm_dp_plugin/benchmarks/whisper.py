@@ -35,7 +35,7 @@ with their transcripts as decoder input (``calibration.calibrate``, clipping qua
 as decoder input); or a calibration file. Calibrations are cached in ``--cache-dir`` by weights
 digest and settings.
 
-One server per row (and eps), ``--gpu-memory-utilization 0.25``; the noise key and the release
+One server per row (and eps), its KV cache sized in bytes (``serving.memory``); the noise key and the release
 ledger live in a temporary directory of the run. A server (or the stock run) that dies while
 starting, e.g. killed for memory on a shared host, is retried twice. A public warm-up request (a
 calibration sentence) precedes each row's timed requests. Writes
@@ -75,6 +75,7 @@ from vllm_dp_plugin.benchmarks.lib.report import (
     write_text,
 )
 from vllm_dp_plugin.benchmarks.lib.vllm import LAUNCH, VLLM_DP
+from vllm_dp_plugin.serving.memory import kv_cache_args, kv_cache_flags
 
 DEFAULT_MODEL = ".models/whisper-tiny-en"
 DEFAULT_MODEL_NAME = "whisper-tiny-en"  # built with vllm_dp_plugin.models.import_model when missing
@@ -98,12 +99,17 @@ ROWS = {
     "dp_state": "vllm-dp serve, DP cross-attention mode state (noisy kernelised state), per-request encoder output private",
     "dp_tree": "vllm-dp serve, DP cross-attention mode tree (DPTree), per-request encoder output private",
 }
-# Whisper's serving flags (tests/serving/test_dp_whisper.py): float32, eager, 448-token decoder.
-SERVE_FLAGS = ["--dtype", "float32", "--max-model-len", "448", "--max-num-batched-tokens", "2048",
-               "--block-size", "32", "--enforce-eager", "--gpu-memory-utilization", "0.25",
-               "--limit-mm-per-prompt", '{"audio": 1}', "--seed", "0"]
-LLM_ARGS = {"dtype": "float32", "max_model_len": 448, "max_num_batched_tokens": 2048, "block_size": 32,
-            "enforce_eager": True, "gpu_memory_utilization": 0.25, "limit_mm_per_prompt": {"audio": 1}, "seed": 0}
+# Whisper's serving flags (tests/serving/test_dp_whisper.py): float32, eager, 448-token decoder;
+# the KV cache in bytes (serving.memory) is added per model by serve_flags / llm_args.
+MAX_MODEL_LEN = 448
+SERVE_FLAGS = ["--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--max-num-batched-tokens", "2048",
+               "--block-size", "32", "--enforce-eager", "--limit-mm-per-prompt", '{"audio": 1}', "--seed", "0"]
+LLM_ARGS = {"dtype": "float32", "max_model_len": MAX_MODEL_LEN, "max_num_batched_tokens": 2048, "block_size": 32,
+            "enforce_eager": True, "limit_mm_per_prompt": {"audio": 1}, "seed": 0}
+
+
+def serve_flags(model: str) -> list[str]:
+    return [*SERVE_FLAGS, *kv_cache_flags(model, MAX_MODEL_LEN)]
 
 # The test audio: fixed sentences, deterministic (espeak-ng is).
 SENTENCES = (
@@ -372,10 +378,10 @@ def server_command(model: str, job: Job, work: Path, attention: dict | None) -> 
     """(command, environment) of a server row: stock ``vllm serve`` (no plugins) or ``vllm-dp
     serve`` with the row's ``--dp-config`` (``attention`` None: DP attention off)."""
     if job.row == "stock_server":
-        return [*LAUNCH, "serve", model, *SERVE_FLAGS], vllm_lib.with_env({"VLLM_PLUGINS": ""})
+        return [*LAUNCH, "serve", model, *serve_flags(model)], vllm_lib.with_env({"VLLM_PLUGINS": ""})
     config = work / f"dp-{job.label.replace(' eps=', '-eps')}.json"
     config.write_text(json.dumps(dp_config(work, attention), indent=1))
-    return ([*VLLM_DP, "serve", model, "--dp-config", str(config), *SERVE_FLAGS],
+    return ([*VLLM_DP, "serve", model, "--dp-config", str(config), *serve_flags(model)],
             vllm_lib.with_env({"VLLM_PLUGINS": None}))
 
 
@@ -445,7 +451,7 @@ def stock_worker(job_path: str) -> int:
     from vllm.multimodal.media.audio import load_audio
 
     job = json.loads(Path(job_path).read_text())
-    llm = LLM(model=job["model"], **LLM_ARGS)
+    llm = LLM(model=job["model"], **LLM_ARGS, **kv_cache_args(job["model"], MAX_MODEL_LEN))
     params = llm.get_default_sampling_params()
     params.temperature, params.max_tokens = 0.0, job["max_tokens"]
 

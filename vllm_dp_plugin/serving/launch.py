@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from ..config import CONFIG_KEY, ConfigError, parse_section, section_from_file
+from .memory import DEFAULT_SEQUENCES, kv_cache_flags
 from .settings import PLUGIN_NAME, TOKENIZER_MODE
 from .vllm_compat import install_version_shim
 
@@ -69,6 +70,7 @@ CONTEXT_SERVE_OPTIONS = frozenset("""
     tensor-parallel-size pipeline-parallel-size distributed-executor-backend
     distributed-timeout-seconds master-addr master-port attention-backend
 """.split())  # noqa: SIM905
+KV_SIZING_OPTIONS = ("kv-cache-memory-bytes", "gpu-memory-utilization")  # kept as given (sized_kv_cache)
 SHORT_OPTIONS = {"-tp": "tensor-parallel-size", "-pp": "pipeline-parallel-size"}
 DP_BACKEND = "CUSTOM"  # the DP attention backend on CUDA (registered by the general plugin)
 RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"  # "0": vLLM's V1 model runner (serving.batch_contexts)
@@ -88,6 +90,12 @@ def option_names(argv: list[str]) -> list[str]:
     return names
 
 
+def option_values(argv: list[str], name: str) -> list[str]:
+    """The values of ``--name V`` and ``--name=V`` in ``argv``, in order."""
+    return [arg.split("=", 1)[1] if "=" in arg else argv[i + 1] for i, arg in enumerate(argv)
+            if arg.startswith(name + "=") or (arg == name and i + 1 < len(argv))]
+
+
 def check_context_options(argv: list[str]) -> None:
     """Refuse ``vllm serve`` options outside ``CONTEXT_SERVE_OPTIONS`` (a private context)."""
     refused = [name for name in option_names(argv) if name not in CONTEXT_SERVE_OPTIONS]
@@ -102,11 +110,28 @@ def check_context_options(argv: list[str]) -> None:
 def attention_backend(argv: list[str], on_cuda: bool) -> list[str]:
     """``--attention-backend CUSTOM`` on CUDA (vLLM would pick its own backend otherwise and the
     DP path would not run); any other backend is refused. CPU ignores the flag."""
-    given = [a.split("=", 1)[1] for a in argv if a.startswith("--attention-backend=")]
-    given += [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--attention-backend"]
+    given = option_values(argv, "--attention-backend")
     if on_cuda and any(b != DP_BACKEND for b in given):
         raise ConfigError(f"--attention-backend must be {DP_BACKEND} (the DP backend) with DP attention, got {given}")
     return ["--attention-backend", DP_BACKEND] if on_cuda and not given else []
+
+
+def sized_kv_cache(argv: list[str]) -> list[str]:
+    """``vllm serve`` arguments (the model first) with, on CPU, ``--kv-cache-memory-bytes`` for
+    ``DEFAULT_SEQUENCES`` sequences of ``--max-model-len`` tokens (``serving.memory``), unless a
+    sizing option or vLLM's legacy ``VLLM_CPU_KVCACHE_SPACE`` is given. On CUDA vLLM's own
+    fraction of the device's memory is kept (a GPU reports its memory truthfully)."""
+    def last(name: str, default: str | None) -> str | None:
+        return (option_values(argv, name) or [default])[-1]
+
+    sized = any(option_values(argv, f"--{name}") for name in KV_SIZING_OPTIONS)
+    model = last("--model", argv[0] if argv and not argv[0].startswith("-") else None)
+    if sized or model is None or os.environ.get("VLLM_CPU_KVCACHE_SPACE") or _on_cuda():
+        return argv  # (no model: vLLM names what is missing)
+    from vllm.utils.argparse_utils import human_readable_int_or_auto
+
+    length = human_readable_int_or_auto(last("--max-model-len", "auto"))
+    return [*argv, *kv_cache_flags(model, None if length == -1 else length, DEFAULT_SEQUENCES, last("--dtype", "auto"))]
 
 
 def _on_cuda() -> bool:
@@ -157,8 +182,7 @@ def serve_arguments(argv: list[str], dp_config: str | None) -> list[str]:
 def logprob_flags(argv: list[str], candidates: int | None) -> list[str]:
     """``--max-logprobs`` for DP aggregation, which asks the engine for the public sequence's
     ``candidates`` top log-probabilities (None: all of them, ``-1``; vLLM's default allows 20)."""
-    given = [a.split("=", 1)[1] for a in argv if a.startswith("--max-logprobs=")]
-    given += [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--max-logprobs"]
+    given = option_values(argv, "--max-logprobs")
     need = -1 if candidates is None else max(20, candidates)
     if any(int(g) != -1 and (need == -1 or int(g) < need) for g in given):
         raise ConfigError(f"--max-logprobs must be {'-1' if need == -1 else f'>= {need}'} for aggregate.candidates="

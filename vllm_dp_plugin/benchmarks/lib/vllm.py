@@ -15,14 +15,23 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Self
 
+from vllm_dp_plugin.serving.memory import kv_cache_flags
+
 LAUNCH = [sys.executable, "-m", "vllm_dp_plugin.serving.launch"]  # `vllm ...` with the CPU shim
 VLLM_DP = [sys.executable, "-m", "vllm_dp_plugin.cli"]  # `vllm-dp ...`
 # Every serving benchmark's engine: float32 (the CPU backend's exact path), no CUDA graphs,
-# a quarter of the device memory, 4096-token sequences, seed 0.
-ENGINE_FLAGS = ["--dtype", "float32", "--block-size", "32", "--enforce-eager",
-                "--gpu-memory-utilization", "0.25", "--max-model-len", "4096", "--seed", "0"]
+# seed 0; its sequence length and KV cache (in bytes: serving.memory) from `engine_flags`.
+ENGINE_FLAGS = ["--dtype", "float32", "--block-size", "32", "--enforce-eager", "--seed", "0"]
+MAX_MODEL_LEN = 4096
 LATENCY_KEYS = ("mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms",
                 "p99_tpot_ms", "request_throughput", "output_throughput")
+
+
+def engine_flags(model: str, sequences: int, tokens: int | None = None, max_model_len: int = MAX_MODEL_LEN) -> list[str]:
+    """``ENGINE_FLAGS`` with ``--max-model-len`` and a KV cache for ``sequences`` sequences of
+    ``tokens`` tokens (None: ``max_model_len``) in flight at once."""
+    return [*ENGINE_FLAGS, "--max-model-len", str(max_model_len),
+            *kv_cache_flags(model, max_model_len, sequences, tokens=tokens)]
 
 
 def free_port() -> int:
@@ -119,7 +128,7 @@ def served_latency(label: str, model: str, server_flags: list[str], env: dict, d
     """``vllm serve model *server_flags`` (environment ``env``), then ``vllm bench serve`` on
     ``/v1/completions`` with ``dataset`` flags at each concurrency; one row per concurrency:
     ``{"config": label, **extra, "concurrency": c, <LATENCY_KEYS> (ms, req/s, tok/s)}``."""
-    cmd = [*LAUNCH, "serve", model, *ENGINE_FLAGS, *server_flags]
+    cmd = [*LAUNCH, "serve", model, *engine_flags(model, max(concurrencies)), *server_flags]
     with RunningServer(cmd, work / f"serve-{label}.log", env, timeout=600) as server:
         rows = []
         for concurrency in concurrencies:
