@@ -80,14 +80,21 @@ def test_dp_sections_keep_key_and_ledger_in_the_run_and_pick_the_composition(tmp
 
 
 def test_server_commands(tmp_path):
-    cmd, env = bench.server_command("m", bench.Job("stock_server"), tmp_path, None)
-    assert env["VLLM_PLUGINS"] == "" and cmd[-len(bench.SERVE_FLAGS):] == bench.SERVE_FLAGS and "--dp-config" not in cmd
+    from transformers import WhisperConfig
+
+    from vllm_dp_plugin.serving.memory import kv_cache_flags
+
+    m = str(tmp_path / "m")  # a config-only Whisper (the KV cache is sized from it)
+    WhisperConfig().save_pretrained(m)
+    flags = [*bench.SERVE_FLAGS, *kv_cache_flags(m, bench.MAX_MODEL_LEN)]
+    cmd, env = bench.server_command(m, bench.Job("stock_server"), tmp_path, None)
+    assert env["VLLM_PLUGINS"] == "" and cmd[-len(flags):] == flags and "--dp-config" not in cmd
     att = bench.attention_section("state", 8.0, "cal.json")
-    cmd, env = bench.server_command("m", bench.Job("dp_state", 8.0), tmp_path, att)
-    assert "VLLM_PLUGINS" not in env and cmd[cmd.index("serve") + 1] == "m"
+    cmd, env = bench.server_command(m, bench.Job("dp_state", 8.0), tmp_path, att)
+    assert "VLLM_PLUGINS" not in env and cmd[cmd.index("serve") + 1] == m and cmd[-len(flags):] == flags
     config = json.loads(Path(cmd[cmd.index("--dp-config") + 1]).read_text())
     assert config["dp_privacy"]["attention"] == att
-    cmd, _ = bench.server_command("m", bench.Job("dp_off"), tmp_path, None)
+    cmd, _ = bench.server_command(m, bench.Job("dp_off"), tmp_path, None)
     assert "attention" not in json.loads(Path(cmd[cmd.index("--dp-config") + 1]).read_text())["dp_privacy"]
 
 
