@@ -13,7 +13,8 @@
 #   3. runs `python -m vllm_dp_plugin.benchmarks.prompt_speed --device cuda`: tokens/s of the
 #      nearest-candidate step (torch vs Triton fast pass, fp32 vs bf16 rows) and of the whole
 #      TokenPrivatizer (trlap_corrected, eps 10) for 30k x 384 and 128k x 4096 synthetic tables at
-#      batches of 512 and 4096 tokens, and writes
+#      batches of 512 and 4096 tokens, the Triton fast pass alone against a torch GEMM of its
+#      scoring part (the roofline part: target >= 50% of the GEMM's FLOP/s at 128k x 4096), and writes
 #      benchmarks/results/prompt-speed-<gpu-name>-<date>.{md,json}.
 #
 # Environment: PYTHON (default python3), GPU_WHEELS (default .gpu-wheels), BENCH_DEVICE (default

@@ -50,7 +50,7 @@ def test_markdown_has_the_sections_targets_and_rows(quick_run):
     ):
         assert needle in text, needle
     # the full-size targets are not measured by --quick and must say so (not PASS/FAIL)
-    assert text.count("(not measured in this run)") == 3
+    assert text.count("(not measured in this run)") == 4
 
 
 def test_json_and_csv_hold_the_raw_numbers(quick_run):
@@ -111,8 +111,9 @@ def test_targets_report_pass_fail_and_unmeasured():
     }
     lines = [report.target_line(t) for t in report.targets(results)]
     assert lines[0].startswith("PASS state accuracy")
-    assert lines[1].startswith("FAIL state query throughput")
-    assert lines[2].startswith("PASS tree build")
+    assert lines[1].startswith("FAIL state query throughput") and "n=16384" in lines[1]
+    assert lines[2].startswith("n/a  state query throughput") and "n=32768" in lines[2]
+    assert lines[3].startswith("PASS tree build")
     assert all(report.target_line(t).startswith("n/a") for t in report.targets({}))
 
 

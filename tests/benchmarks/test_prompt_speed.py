@@ -68,3 +68,28 @@ def test_skips_are_reported_not_run(tmp_path):
     by_batch = {r["batch"]: r for r in rows}
     assert by_batch[16]["status"] == "ok" and by_batch[16]["tokens_per_s"] > 0  # 16*1000*32 = 5e5
     assert by_batch[64]["status"].startswith("skipped") and "tokens_per_s" not in by_batch[64]
+
+
+def test_roofline_rows_verdicts_and_target_lines(tmp_path):
+    """Part 3: skipped without CUDA or the interpreter (where it ran, its rows are timed); a verdict
+    only at 128k x 4096, one n/a line when no row is there."""
+    rc = prompt_speed.main(["--quick", "--out", str(tmp_path), "--date", DATE, "--quiet", "--parts", "roofline",
+                            "--tables", "1000x32", "--batches", "16"])
+    assert rc == 0
+    (path,) = tmp_path.glob("prompt-speed-*.json")
+    results = json.loads(path.read_text())
+    assert [r["dtype"] for r in results["roofline"]] == ["fp32", "bf16"]
+    for row in results["roofline"]:
+        assert row["status"] == "ok" or row["status"].startswith("skipped: the Triton pass needs")
+        assert row["status"] != "ok" or (row["fraction"] == row["gemm_s"] / row["kernel_s"] and row["target"] == "-")
+    assert prompt_speed.target_lines(results) == [
+        "n/a  nearest-candidate kernel >= 50% of the GEMM roofline at 128000 x 4096 (not measured in this run)"]
+    row = {"vocab": 128000, "dim": 4096, "dtype": "bf16", "batch": 4096, "fraction": 0.62, "kernel_tflops": 400.0,
+           "gemm_tflops": 645.0}
+    row["target"] = prompt_speed.roofline_verdict(row)
+    assert row["target"] == "PASS" and prompt_speed.roofline_verdict({**row, "fraction": 0.49}) == "FAIL"
+    assert prompt_speed.roofline_verdict({**row, "vocab": 30000}) == "-"
+    assert prompt_speed.target_lines({"roofline": [row]}) == [
+        ("PASS nearest-candidate kernel >= 50% of the GEMM roofline at 128000 x 4096 (bf16, batch 4096): 62.0% "
+         "(400 vs 645 TFLOP/s)")]
+    assert "## 3. Nearest-candidate kernel vs the GEMM roofline" in path.with_suffix(".md").read_text()

@@ -231,6 +231,26 @@ def test_model_targets_pass_fail():
     assert [t["target"] for t in train.targets(rows)][:2] == [
         "ours step time <= 1.5x non-private", "ours peak memory <= 1.3x non-private"]
     assert len(train.targets(rows)) == 4
+    # on CUDA full fine-tuning's time bound is 1.2x (issue 38)
+    got = {t["target"]: (t["measured"], t["result"]) for t in train.targets(rows, real_model=True, device_type="cuda")}
+    assert got["ours step time <= 1.2x non-private"] == ("1.20x", "PASS")
+
+
+def test_config_only_model_runs_with_random_weights(llama_dir, tmp_path):
+    """A directory with only the architecture (config.json): seeded random weights, said so."""
+    config_only = tmp_path / "arch"
+    config_only.mkdir()
+    (config_only / "config.json").write_text((llama_dir / "config.json").read_text())
+    out = tmp_path / "out"
+    argv = [*_model_args(config_only), "--methods", "non_private,ours", "--out", str(out), "--date", DATE, "--quiet"]
+    assert train.main(argv) == 0
+    results, text, _ = written(out / f"train-arch-cpu-{DATE}")
+    assert [r["status"] for r in results["methods"]] == ["ok", "ok"]
+    assert results["meta"]["random_weights"] and "(llama, tied embeddings, random weights)" in results["meta"]["model"]
+    assert "Random weights (seed 0) of" in text
+    assert results["tiny_norm_check"]["result"] == "PASS"
+    a, b = (train.load_model(str(config_only), True, 0, train.torch.device("cpu")) for _ in range(2))
+    assert all(train.torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=True))  # seeded
 
 
 @pytest.mark.parametrize("when", ["make_private", "first step"])

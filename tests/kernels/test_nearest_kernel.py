@@ -1,20 +1,13 @@
 """Nearest-candidate fast pass: the Triton kernel == the torch reference (as top-k sets).
 
-Same layout as ``test_tree_kernels``: without CUDA, ``test_kernel_tests_under_interpreter`` re-runs
-this file in a fresh pytest process with ``TRITON_INTERPRET=1`` (set before triton is imported),
-where the kernel tests run on CPU tensors; with CUDA they also run here, natively. Tests that need
-no kernel launch (validation, dispatch) run in both processes.
+Where the kernel tests run (natively on CUDA, or on CPU tensors in the ``TRITON_INTERPRET=1``
+subprocess of ``test_kernel_tests_under_interpreter``) is ``conftest.py``'s. Tests that need no
+kernel launch (validation, dispatch) run in both processes.
 
 A returned top-k is checked against scores, never against a hard-coded answer: every position
 whose score is below the k-th smallest must be in it, and nothing in it may score above the k-th
 smallest (so any member of a tie at the boundary is accepted).
 """
-
-import os
-import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,52 +18,14 @@ from vllm_dp_plugin.prompt import EmbeddingTable, TokenPrivatizer, token_mechani
 from vllm_dp_plugin.prompt.nearest import CandidateIndex, brute_force_nearest
 
 F64 = torch.float64
-REPO = Path(__file__).resolve().parents[2]
 K_TOP = 32
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-@pytest.fixture
-def device():
-    """Where the kernel runs: CUDA natively, or CPU under the interpreter; else skip."""
-    pytest.importorskip("triton")
-    if _interpreting():
-        return "cpu"
-    if torch.cuda.is_available():
-        return "cuda"
-    pytest.skip("runs in the TRITON_INTERPRET=1 subprocess of test_kernel_tests_under_interpreter")
-
-
-def test_kernel_tests_under_interpreter():
-    """This file's kernel tests, in a fresh process under triton's CPU interpreter."""
-    pytest.importorskip("triton")
-    if _interpreting():
-        pytest.skip("this process is the interpreter run")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "pytest",
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        "-rs",
-        str(Path(__file__)),
-    ]
-    proc = subprocess.run(
-        cmd, check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=600
-    )
-    tail = proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert proc.returncode == 0, tail
-    summary = proc.stdout.strip().splitlines()[-1]
-    passed = re.search(r"(\d+) passed", summary)
-    skipped = re.search(r"(\d+) skipped", summary)
-    # every test but this launcher ran there (a kernel test skipped there would hide a failure)
-    assert passed and int(passed.group(1)) >= 15, tail
-    assert skipped and int(skipped.group(1)) == 1, tail
+def test_kernel_tests_under_interpreter(interpreter_run):
+    """This file's kernel tests, in a fresh process under triton's CPU interpreter: every test but
+    this launcher ran there (a kernel test skipped there would hide a failure)."""
+    passed, skipped, tail = interpreter_run(__file__)
+    assert passed >= 15 and skipped == 1, tail
 
 
 def gen(seed):
@@ -134,8 +89,8 @@ def on(device, *tensors):
         (12, 90, 20, 1, True),  # k = 1
     ],
 )
-def test_fp32_topk_set_equals_reference(device, n, K, d, k, near):
-    rows, sq, queries = on(device, *inputs(n, K, d, seed=n * K + d, near=near))
+def test_fp32_topk_set_equals_reference(kernel_device, n, K, d, k, near):
+    rows, sq, queries = on(kernel_device, *inputs(n, K, d, seed=n * K + d, near=near))
     top = kn.fast_topk_triton(queries, rows, sq, k)
     ref = kn.fast_topk_reference(queries, rows, sq, k)
     exact = scores64(queries, rows)
@@ -150,7 +105,7 @@ def test_fp32_topk_set_equals_reference(device, n, K, d, k, near):
     assert bool((own[:, 1:] >= own[:, :-1] - tol).all())
 
 
-def test_exact_ties_duplicate_rows(device):
+def test_exact_ties_duplicate_rows(kernel_device):
     """Integer data (every fp32 score exact) with each row repeated: the result is exactly the k
     smallest (score, position) pairs in that order, i.e. boundary ties go to the lowest position;
     the torch reference is a valid (tie-agnostic) top-k of the same scores."""
@@ -159,7 +114,7 @@ def test_exact_ties_duplicate_rows(device):
     rows = distinct[torch.randint(0, 23, (211,), generator=g)]  # 211 rows, ~9 copies of each
     queries = torch.randint(-3, 4, (66, 24), generator=g).float()
     queries[:10] = rows[:10]  # queries sitting exactly on a duplicated row
-    rows, queries = on(device, rows, queries)
+    rows, queries = on(kernel_device, rows, queries)
     sq = rows.pow(2).sum(-1)
     top = kn.fast_topk_triton(queries, rows, sq, K_TOP)
     exact = scores64(queries, rows)
@@ -172,12 +127,12 @@ def test_exact_ties_duplicate_rows(device):
     assert_valid_topk(top, exact, K_TOP)
 
 
-def test_negative_and_zero_scores_order(device):
+def test_negative_and_zero_scores_order(kernel_device):
     """Scores of both signs and exact zeros: the int64 key order is the float order."""
     rows = torch.tensor([[0.0, 0.0], [1.0, 0.0], [2.0, 0.0], [-1.0, 0.0], [0.5, 0.0], [3.0, 0.0]])
     rows = rows.repeat_interleave(8, dim=1)[:, :16]  # d = 16
     queries = torch.tensor([[1.0] * 16, [0.0] * 16, [-0.25] * 16])
-    rows, queries = on(device, rows, queries)
+    rows, queries = on(kernel_device, rows, queries)
     sq = rows.pow(2).sum(-1)
     top = kn.fast_topk_triton(queries, rows, sq, 6)
     exact = scores64(queries, rows)
@@ -188,11 +143,11 @@ def test_negative_and_zero_scores_order(device):
 # ---------------------------------------------------------------- bf16 candidate pass
 
 
-def test_bf16_top32_contains_exact_nearest(device):
-    rows, sq, queries = on(device, *inputs(120, 400, 64, seed=11))
+def test_bf16_top32_contains_exact_nearest(kernel_device):
+    rows, sq, queries = on(kernel_device, *inputs(120, 400, 64, seed=11))
     fast = rows.to(torch.bfloat16)
     top = kn.fast_topk_triton(queries, fast, sq, K_TOP)
-    nearest = brute_force_nearest(queries.cpu(), rows.cpu()).to(device)
+    nearest = brute_force_nearest(queries.cpu(), rows.cpu()).to(kernel_device)
     assert bool((top == nearest[:, None]).any(dim=1).all())
     # and it is the top-32 of the bf16-rounded inputs with fp32 accumulate (not torch's
     # bf16-rounded dot products): valid against the exact scores of those inputs
@@ -202,31 +157,31 @@ def test_bf16_top32_contains_exact_nearest(device):
 
 
 @pytest.mark.parametrize("fast_dtype", [torch.float32, torch.bfloat16])
-def test_candidate_index_with_triton_equals_brute_force(device, fast_dtype):
+def test_candidate_index_with_triton_equals_brute_force(kernel_device, fast_dtype):
     rows, _, queries = inputs(150, 260, 40, seed=3)
     rows[200:230] = rows[100:130]  # exact duplicates: ties must go to the lowest id
     queries[:20] = rows[200:220] + 1e-3  # nearest to a duplicated row
     ids = torch.arange(260, dtype=torch.int64) * 3 + 5  # sorted, not 0..K-1
-    index = CandidateIndex.build(ids.to(device), rows.to(device), fast_dtype)
-    got = index.nearest(queries.to(device), k=K_TOP, chunk=64, fast_pass=kn.fast_topk_triton)
+    index = CandidateIndex.build(ids.to(kernel_device), rows.to(kernel_device), fast_dtype)
+    got = index.nearest(queries.to(kernel_device), k=K_TOP, chunk=64, fast_pass=kn.fast_topk_triton)
     want = ids[brute_force_nearest(queries, rows)]
     assert torch.equal(got.cpu(), want)
     assert bool((got.cpu()[:20] == ids[100:120]).all())
 
 
-def test_privatizer_with_triton_fast_pass_matches_torch(device):
+def test_privatizer_with_triton_fast_pass_matches_torch(kernel_device):
     """Same generator state: identical releases whichever fast pass is plugged in."""
     gen_rows = gen(5)
     emb = torch.randn(212, 32, generator=gen_rows) * torch.linspace(0.3, 2.0, 32) + 0.5
-    table = EmbeddingTable.build(emb.to(device), 200, (0, 1, 2, 3))
+    table = EmbeddingTable.build(emb.to(kernel_device), 200, (0, 1, 2, 3))
     mech = token_mechanism("trlap_corrected", table, 10.0, 1e-6)
-    ids = torch.randint(0, 200, (90,), generator=gen(6)).to(device)
-    mask = torch.ones(90, dtype=torch.bool, device=device)
+    ids = torch.randint(0, 200, (90,), generator=gen(6)).to(kernel_device)
+    mask = torch.ones(90, dtype=torch.bool, device=kernel_device)
     mask[:5] = False
     out = {}
     for name, fast_pass in (("torch", fast_topk_torch), ("triton", kn.fast_topk_triton)):
         priv = TokenPrivatizer(table, mech, fast_pass=fast_pass)
-        noise = torch.Generator(device=device).manual_seed(123)
+        noise = torch.Generator(device=kernel_device).manual_seed(123)
         out[name], receipt = priv.privatize(ids, mask, noise)
         assert receipt.tokens_privatized == 85
     assert torch.equal(out["torch"], out["triton"])
@@ -236,8 +191,8 @@ def test_privatizer_with_triton_fast_pass_matches_torch(device):
 # ---------------------------------------------------------------- edge cases and dispatch
 
 
-def test_large_k_falls_back_to_torch(device):
-    rows, sq, queries = on(device, *inputs(6, 200, 16, seed=2))
+def test_large_k_falls_back_to_torch(kernel_device):
+    rows, sq, queries = on(kernel_device, *inputs(6, 200, 16, seed=2))
     k = kn.MAX_TOPK + 5
     top = kn.fast_topk_triton(queries, rows, sq, k)
     assert_valid_topk(top, scores64(queries, rows), k, tol=1e-4)
@@ -260,8 +215,8 @@ def test_empty_queries_and_bad_arguments():
     assert kn.fast_topk_reference(queries[:0], rows, sq, 3).shape == (0, 3)
 
 
-def test_empty_queries(device):
-    rows, sq, queries = on(device, *inputs(4, 50, 40, seed=1))
+def test_empty_queries(kernel_device):
+    rows, sq, queries = on(kernel_device, *inputs(4, 50, 40, seed=1))
     for dtype in (torch.float32, torch.bfloat16):
         empty = kn.fast_topk_triton(queries[:0], rows.to(dtype), sq, K_TOP)
         assert empty.shape == (0, K_TOP) and empty.dtype == torch.int64
@@ -270,7 +225,7 @@ def test_empty_queries(device):
 def test_triton_on_cpu_tensors_needs_the_interpreter():
     pytest.importorskip("triton")
     rows, sq, queries = inputs(3, 80, 16, seed=4)
-    if _interpreting():
+    if kn.interpret_requested():
         assert kn.fast_topk_triton(queries, rows, sq, 4).shape == (3, 4)
     else:
         with pytest.raises(ValueError, match="needs CUDA tensors"):

@@ -1,18 +1,10 @@
 """Triton DPTree kernels == their torch references.
 
-Triton's CPU interpreter must be switched on (``TRITON_INTERPRET=1``) before triton is first
-imported: its standard library (``tl.sum``, ``tl.cdiv``) is decorated at import time. So on a
-machine without CUDA, ``test_kernels_under_interpreter`` re-runs this file in a fresh pytest
-process with ``TRITON_INTERPRET=1``, where the kernel tests (skipped in this process) run on CPU
-tensors; with CUDA they also run here, natively. In both, the torch references are swapped for a
-function that fails, so a passing test proves the dispatcher ran the Triton path.
+Where the kernel tests run (natively on CUDA, or on CPU tensors in the ``TRITON_INTERPRET=1``
+subprocess of ``test_kernels_under_interpreter``) is ``conftest.py``'s. In both, the torch
+references are swapped for a function that fails, so a passing test proves the dispatcher ran the
+Triton path.
 """
-
-import os
-import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,23 +12,11 @@ import torch
 from vllm_dp_plugin.kernels import tree_build, tree_query
 
 F64 = torch.float64
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @pytest.fixture
-def kernels(monkeypatch):
+def kernels(kernel_device, monkeypatch):
     """(device, torch references); the dispatchers may not fall back to torch."""
-    pytest.importorskip("triton")
-    if _interpreting():
-        device = "cpu"
-    elif torch.cuda.is_available():
-        device = "cuda"
-    else:
-        pytest.skip("runs in the TRITON_INTERPRET=1 subprocess of test_kernels_under_interpreter")
 
     def forbidden(*args, **kwargs):
         raise AssertionError("dispatcher fell back to the torch reference")
@@ -44,22 +24,13 @@ def kernels(monkeypatch):
     refs = {"leaf": tree_build.leaf_histogram_torch, "query": tree_query.gather_contract_torch}
     monkeypatch.setattr(tree_build, "leaf_histogram_torch", forbidden)
     monkeypatch.setattr(tree_query, "gather_contract_torch", forbidden)
-    return device, refs
+    return kernel_device, refs
 
 
-def test_kernels_under_interpreter():
+def test_kernels_under_interpreter(interpreter_run):
     """This file's kernel tests, in a fresh process under triton's CPU interpreter."""
-    pytest.importorskip("triton")
-    if _interpreting():
-        pytest.skip("this process is the interpreter run")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", str(Path(__file__))]
-    proc = subprocess.run(cmd, check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    tail = proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert proc.returncode == 0, tail
-    summary = proc.stdout.strip().splitlines()[-1]
-    skipped = re.search(r"(\d+) skipped", summary)
-    assert re.search(r"\d+ passed", summary) and skipped and int(skipped.group(1)) == 1, tail
+    passed, skipped, tail = interpreter_run(__file__)
+    assert passed and skipped == 1, tail
 
 
 def gen(seed):

@@ -1,13 +1,20 @@
 """Prompt-privatization speed: privatized tokens per second.
 
-Two parts, on synthetic seeded Gaussian embedding tables (default 30k x 384 and 128k x 4096):
+Three parts, on synthetic seeded Gaussian embedding tables (default 30k x 384 and 128k x 4096):
 
 1. **nearest step**: ``CandidateIndex.nearest`` (fast-pass top-32 per chunk of 512 queries +
    exact float64 re-rank) for queries ``r = e_w + z`` (a random row plus N(0, ``--query-noise``^2)
    per coordinate), torch fast pass vs the Triton kernel (CUDA only), fp32 vs bf16 fast rows;
 2. **whole privatizer**: ``TokenPrivatizer.privatize`` with ``trlap_corrected`` at eps 10
    (delta ``--delta``) over every token of the batch: table lookup, TrLaplace noise, nearest
-   step, receipt.
+   step, receipt;
+3. **roofline**: the Triton fast pass alone (``fast_topk_triton``, top-32 of the same queries; the
+   fp32 rows in IEEE fp32, bf16 rows with fp32 accumulate) against a torch GEMM of its scoring
+   part, ``[n, d] @ [d, V]`` in the rows' dtype (cuBLAS on CUDA; fp32 as torch's TF32 setting says,
+   off by default: recorded), timed the same way on the same device in the same run. Achieved
+   FLOP/s = ``2 n V d`` / seconds for both; ``fraction`` = GEMM seconds / kernel seconds, the share
+   of the measured GEMM roofline the fused GEMM + top-k reaches. Target (``ROOFLINE_TARGET``): >= 50%
+   at 128k x 4096. Needs CUDA (or ``TRITON_INTERPRET=1``, where the numbers mean nothing).
 
 Each case is timed on ``batch`` tokens (default 512 and 4096) after one warm-up call; the timed
 call is repeated until ``--min-time`` seconds have passed (at most ``--max-repeats``) and the
@@ -17,7 +24,8 @@ whose nearest id equals the torch fp32 pass's (same queries). Cases larger than 
 privatizer tables whose build would take more than half the free memory are skipped and listed
 with the reason.
 
-Writes ``prompt-speed-<device>-<date>.md`` and ``.json`` into ``--out``. Run as
+Writes ``prompt-speed-<device>-<date>.md`` and ``.json`` into ``--out``; prints every target's
+PASS/FAIL line. Run as
 ``python -m vllm_dp_plugin.benchmarks.prompt_speed`` (``--quick``: toy sizes, seconds).
 """
 
@@ -53,6 +61,7 @@ from vllm_dp_plugin.benchmarks.lib.progress import logger
 from vllm_dp_plugin.benchmarks.lib.report import suffixed, write_json, write_text
 from vllm_dp_plugin.kernels.nearest_reference import fast_topk_torch, select_within_bound
 from vllm_dp_plugin.kernels.nearest_select import default_select
+from vllm_dp_plugin.kernels.tree_build import interpret_requested, triton_available
 from vllm_dp_plugin.kernels.types import FastPass, SelectPass
 from vllm_dp_plugin.prompt import EmbeddingTable, TokenPrivatizer, token_mechanism
 from vllm_dp_plugin.prompt.nearest import CandidateIndex
@@ -62,6 +71,7 @@ TOPK, CHUNK = 32, 512
 PRIVATIZER_BYTES_PER_ENTRY = 30  # peak bytes per V*d entry while building table + index
 CPU_MAX_MACS = 3e11
 CPU_WARMUP = 64  # tokens of the untimed warm-up call on CPU
+ROOFLINE_TARGET = {"vocab": 128000, "dim": 4096, "fraction": 0.5}  # kernel >= 50% of the GEMM's FLOP/s
 
 
 def _tables(text: str) -> list[tuple[int, int]]:
@@ -122,17 +132,21 @@ def skip_reason(batch: int, vocab: int, dim: int, max_macs: float) -> str:
     return f"skipped: {macs:.2g} MACs > --max-macs {max_macs:.2g}" if macs > max_macs else ""
 
 
-def bench_nearest(args, device: torch.device, vocab: int, dim: int, log) -> list[dict]:
-    """Part 1 rows for one table."""
-    rows_out: list[dict] = []
+def table_and_queries(args, device: torch.device, vocab: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The seeded table ``[vocab, dim]`` and ``max(batches)`` queries: a random row plus
+    N(0, ``query_noise``^2) per coordinate."""
     table = synthetic_table(vocab, dim, args.seed, device)
-    ids = torch.arange(vocab, device=device)
     gen = torch.Generator(device=device).manual_seed(args.seed + 1)
     n_max = max(args.batches)
     picks = torch.randint(0, vocab, (n_max,), generator=gen, device=device)
-    queries = table[picks] + args.query_noise * torch.randn(
-        n_max, dim, generator=gen, device=device
-    )
+    return table, table[picks] + args.query_noise * torch.randn(n_max, dim, generator=gen, device=device)
+
+
+def bench_nearest(args, device: torch.device, vocab: int, dim: int, log) -> list[dict]:
+    """Part 1 rows for one table."""
+    rows_out: list[dict] = []
+    table, queries = table_and_queries(args, device, vocab, dim)
+    ids = torch.arange(vocab, device=device)
     passes = fast_passes(device)
     for dtype_name in args.dtypes:
         index = CandidateIndex.build(ids, table, DTYPES[dtype_name])
@@ -255,6 +269,61 @@ def bench_privatizer(args, device: torch.device, vocab: int, dim: int, log) -> l
     return rows_out
 
 
+def roofline_verdict(row: dict) -> str:
+    """PASS/FAIL at the target's table size, ``-`` elsewhere."""
+    if (row["vocab"], row["dim"]) != (ROOFLINE_TARGET["vocab"], ROOFLINE_TARGET["dim"]):
+        return "-"
+    return "PASS" if row["fraction"] >= ROOFLINE_TARGET["fraction"] else "FAIL"
+
+
+def bench_roofline(args, device: torch.device, vocab: int, dim: int, log) -> list[dict]:
+    """Part 3 rows for one table: the Triton fast pass vs the torch GEMM of its scores."""
+    base = {"part": "roofline", "vocab": vocab, "dim": dim}
+    if not (triton_available() and (device.type == "cuda" or interpret_requested())):
+        reason = "skipped: the Triton pass needs triton and CUDA (or TRITON_INTERPRET=1)"
+        return [{**base, "dtype": d, "batch": b, "status": reason} for d in args.dtypes for b in args.batches]
+    from vllm_dp_plugin.kernels.nearest import fast_topk_triton
+
+    table, queries = table_and_queries(args, device, vocab, dim)
+    sq_norms = table.pow(2).sum(-1)
+    rows_out = []
+    for dtype_name in args.dtypes:
+        rows, cast = table.to(DTYPES[dtype_name]), queries.to(DTYPES[dtype_name])
+        for batch in args.batches:
+            row = {**base, "dtype": dtype_name, "batch": batch}
+            if reason := skip_reason(batch, vocab, dim, args.max_macs):
+                rows_out.append({**row, "status": reason})
+                continue
+
+            def kernel(size, rows=rows):
+                return fast_topk_triton(queries[:size], rows, sq_norms, TOPK)
+
+            def gemm(size, rows=rows, cast=cast):
+                return cast[:size] @ rows.T
+
+            kernel_s, kernel_runs, _ = timed(kernel, batch, device, args.min_time, args.max_repeats)
+            gemm_s, gemm_runs, _ = timed(gemm, batch, device, args.min_time, args.max_repeats)
+            flops = 2.0 * batch * vocab * dim
+            row.update(status="ok", kernel_s=kernel_s, gemm_s=gemm_s, kernel_runs=kernel_runs, gemm_runs=gemm_runs,
+                       kernel_tflops=flops / kernel_s / 1e12, gemm_tflops=flops / gemm_s / 1e12,
+                       fraction=gemm_s / kernel_s)
+            row["target"] = roofline_verdict(row)
+            rows_out.append(row)
+            log(f"  roofline {vocab}x{dim} {dtype_name} batch {batch}: kernel {row['kernel_tflops']:.3g} TFLOP/s, "
+                f"GEMM {row['gemm_tflops']:.3g} TFLOP/s: {100 * row['fraction']:.0f}% of the GEMM")
+    return rows_out
+
+
+def target_lines(results: dict) -> list[str]:
+    """One PASS/FAIL line per roofline row at the target's table size; one n/a line without any."""
+    t = ROOFLINE_TARGET
+    name = f"nearest-candidate kernel >= {100 * t['fraction']:.0f}% of the GEMM roofline at {t['vocab']} x {t['dim']}"
+    lines = [f"{r['target']} {name} ({r['dtype']}, batch {r['batch']}): {100 * r['fraction']:.1f}% "
+             f"({r['kernel_tflops']:.3g} vs {r['gemm_tflops']:.3g} TFLOP/s)"
+             for r in results["roofline"] if r.get("target") in ("PASS", "FAIL")]
+    return lines or [f"n/a  {name} (not measured in this run)"]
+
+
 def _cell(value) -> str:
     if value is None:
         return "-"
@@ -265,6 +334,14 @@ def _cell(value) -> str:
 
 def _agree(value) -> str:
     return "-" if value is None else f"{value:.4f}"
+
+
+def _roofline_row(r: dict) -> str:
+    head = f"| {r['vocab']} x {r['dim']} | {r['dtype']} | {r['batch']} | "
+    if r["status"] != "ok":
+        return head + f"- | - | - | - | - | - | {r['status']} |"
+    return head + (f"{r['kernel_s'] * 1e3:.3g} | {r['gemm_s'] * 1e3:.3g} | {r['kernel_tflops']:.3g} | "
+                   f"{r['gemm_tflops']:.3g} | {100 * r['fraction']:.1f}% | {r['target']} | ok |")
 
 
 def render_markdown(results: dict) -> str:
@@ -328,6 +405,23 @@ def render_markdown(results: dict) -> str:
         )
     lines += [
         "",
+        "## 3. Nearest-candidate kernel vs the GEMM roofline (`fast_topk_triton` alone)",
+        "",
+        (
+            f"Kernel: the Triton fast pass (top-{TOPK}; fp32 rows in IEEE fp32, bf16 rows with fp32 "
+            "accumulate). GEMM: torch `queries @ rows.T` in the rows' dtype, the kernel's scoring part "
+            f"(TF32 for fp32 matmuls: {meta['env'].get('tf32_matmul', 'n/a')}). FLOP/s = 2 n V d / median "
+            "seconds of one call (after a warm-up call); fraction = GEMM seconds / kernel seconds. Target: "
+            f"kernel >= {100 * ROOFLINE_TARGET['fraction']:.0f}% of the GEMM's FLOP/s at "
+            f"{ROOFLINE_TARGET['vocab']} x {ROOFLINE_TARGET['dim']}."
+        ),
+        "",
+        "| table V x d | rows | batch | kernel ms | GEMM ms | kernel TFLOP/s | GEMM TFLOP/s | fraction | target | status |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+        *[_roofline_row(r) for r in results["roofline"]],
+        "",
+        *[f"**{line}**" for line in target_lines(results)],
+        "",
         (
             f"Total wall time: {meta['wall_s']:.1f} s. Host load average (1/5/15 min) at start "
             f"{meta['loadavg_start']}, at end {meta['loadavg_end']} (on a shared CPU box other "
@@ -350,7 +444,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     p.add_argument("--batches", type=ints, help="tokens per call (default 512,4096; quick 32,128)")
     p.add_argument("--dtypes", default="fp32,bf16", help="fast-pass row dtypes (default fp32,bf16)")
-    p.add_argument("--parts", default="nearest,privatizer", help="comma list of nearest,privatizer")
+    p.add_argument("--parts", default="nearest,privatizer,roofline",
+                   help="comma list of nearest,privatizer,roofline (default: all)")
     p.add_argument(
         "--max-macs",
         type=float,
@@ -411,7 +506,7 @@ def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
 
     load_start = loadavg()
     start = time.perf_counter()
-    results: dict = {"nearest": [], "privatizer": []}
+    results: dict = {"nearest": [], "privatizer": [], "roofline": []}
     for vocab, dim in args.tables:
         if "nearest" in parts:
             log(f"== nearest step, table {vocab} x {dim}")
@@ -419,6 +514,9 @@ def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
         if "privatizer" in parts:
             log(f"== privatizer, table {vocab} x {dim}")
             results["privatizer"] += bench_privatizer(args, device, vocab, dim, log)
+        if "roofline" in parts:
+            log(f"== roofline, table {vocab} x {dim}")
+            results["roofline"] += bench_roofline(args, device, vocab, dim, log)
         if device.type == "cuda":
             torch.cuda.empty_cache()
     label = device_label(device)
@@ -441,6 +539,8 @@ def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
     stem = Path(args.out) / f"prompt-speed-{label}-{args.date}"
     write_json(suffixed(stem, ".json"), results, indent=2, newline=True)
     write_text(suffixed(stem, ".md"), render_markdown(results))
+    for line in target_lines(results):
+        log(line)
     log(f"wrote {stem}.md and .json")
     return 0
 
