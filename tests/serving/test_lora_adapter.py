@@ -164,7 +164,8 @@ def test_the_openai_server_routes_model_names_to_adapters(artefacts, generated):
 
 
 def test_serve_passes_the_lora_flags_to_vllm(monkeypatch):
-    """Without ``--dp-config`` ``vllm-dp serve`` hands its argv to ``vllm serve`` unchanged."""
+    """Without ``--dp-config`` ``vllm-dp serve`` hands its argv to ``vllm serve`` unchanged (a KV
+    cache sized by the caller: ``serving.memory`` adds nothing)."""
     from vllm_dp_plugin.cli import main
     from vllm_dp_plugin.serving import launch
 
@@ -172,7 +173,8 @@ def test_serve_passes_the_lora_flags_to_vllm(monkeypatch):
     monkeypatch.setattr(launch, "run_vllm_cli", lambda argv: seen.append(argv) or 0)
     monkeypatch.delenv("VLLM_PLUGINS", raising=False)
     argv = ["BASE", "--enable-lora", "--max-lora-rank", "8", "--lora-modules", "dp=OUT/adapter",
-            '{"name": "dp2", "path": "OUT2/adapter", "base_model_name": "BASE"}', "--max-loras", "2"]
+            '{"name": "dp2", "path": "OUT2/adapter", "base_model_name": "BASE"}', "--max-loras", "2",
+            "--kv-cache-memory-bytes", "268435456"]
     assert main(["serve", *argv]) == 0
     assert seen == [["serve", *argv]]
 
