@@ -48,8 +48,11 @@ from .tree_build import interpret_requested, triton_available
 from .types import FastPass
 
 BLOCK_N = 64  # queries per program
-BLOCK_K = 64  # candidate rows per tile
-BLOCK_D = 64  # embedding dims per tl.dot step (lowered for small d)
+BLOCK_K = 128  # candidate rows per tile
+# embedding dims per tl.dot step (lowered for small d) by the rows' dtype; with BLOCK_N, BLOCK_K and
+# 4 warps the fastest of 24 tilings at 128000 x 4096, batch 4096, on an H200 (benchmarks/gpu/diagnose.py:
+# bf16 43.7%, fp32 36.8% of torch's GEMM; the earlier 64 x 64 x 64 reached 33.2% and 25.5%)
+BLOCK_D = {torch.bfloat16: 64, torch.float32: 32}
 MAX_TOPK = 128  # largest k the kernel keeps in registers; larger k falls back to torch
 TARGET_PROGRAMS = 1024  # on CUDA, split the candidates until about this many programs run
 MIN_TILES_PER_SPLIT = 8  # on CUDA: amortise the first tiles' inserts (up to k passes each)
@@ -152,12 +155,12 @@ def _kernel(interpret: bool):
     return nearest_topk_kernel
 
 
-def _plan(n: int, K: int, d: int, device: torch.device) -> tuple[int, int, int, int]:
-    """(block_k, block_d, splits, tiles_per_split) for one launch."""
+def _plan(n: int, K: int, d: int, dtype: torch.dtype, device: torch.device) -> tuple[int, int, int, int]:
+    """(block_k, block_d, splits, tiles_per_split) for one launch over rows of ``dtype``."""
     import triton
 
     block_k = BLOCK_K
-    block_d = max(16, min(BLOCK_D, triton.next_power_of_2(d)))
+    block_d = max(16, min(BLOCK_D[dtype], triton.next_power_of_2(d)))
     tiles = triton.cdiv(K, block_k)
     if device.type == "cuda":
         query_blocks = triton.cdiv(n, BLOCK_N)
@@ -202,7 +205,7 @@ def fast_topk_triton(
     fast_rows = fast_rows.contiguous()
     sq_norms = sq_norms.to(torch.float32).contiguous()
     k_pad = triton.next_power_of_2(k)
-    block_k, block_d, splits, tiles_per_split = _plan(n, K, d, queries.device)
+    block_k, block_d, splits, tiles_per_split = _plan(n, K, d, fast_rows.dtype, queries.device)
     keys = torch.empty(n, splits, k, dtype=torch.int64, device=queries.device)
     grid = (triton.cdiv(n, BLOCK_N), splits)
     _kernel(interpret_requested())[grid](
