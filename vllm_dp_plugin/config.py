@@ -247,7 +247,11 @@ class AggregatePrivacyConfig:
     per line, or a directory whose ``*.txt`` files are the documents) or a directory whose
     ``*.jsonl`` files are the collections, named by their stem; the first is the default, a
     request picks one with ``vllm_xargs.dp_context``. Documents over ``max_document_tokens``
-    tokens are refused at start-up.
+    tokens are refused at start-up. ``max_member_tokens``: the public bound on one member's
+    documents (its system turn, in tokens; default: half of the served ``max_model_len``); a
+    collection whose member exceeds it is refused at start-up, and a request whose own tokens +
+    this bound + ``max_tokens`` exceed ``max_model_len`` is refused before anything is reserved
+    (so no error ever depends on a member's true length).
 
     Each query: ``members`` disjoint members (documents assigned by a keyed hash of their id) and
     a public sequence decoded in lockstep; ``mechanism`` ``expmech`` or ``vote`` chooses each
@@ -281,6 +285,7 @@ class AggregatePrivacyConfig:
     confidence: float = 1.0
     candidates: int | None = None
     max_document_tokens: int = 1024
+    max_member_tokens: int | None = None
     max_tokens: int = 256
     budget_file: str | None = None
 
@@ -297,6 +302,8 @@ class AggregatePrivacyConfig:
             raise ConfigError(f"aggregate.confidence must lie in (0, 1] (1: off), got {self.confidence!r}")
         for name in ("members", "max_private_tokens", "max_document_tokens", "max_tokens"):
             _check(check_count, getattr(self, name), f"aggregate.{name}")
+        if self.max_member_tokens is not None:
+            _check(check_count, self.max_member_tokens, "aggregate.max_member_tokens")
         if self.candidates is not None:
             _check(check_count, self.candidates, "aggregate.candidates")
         if self.max_epsilon is not None:
@@ -394,7 +401,10 @@ class PromptPrivacyConfig:
     served engine rewrites each user message first, ``epsilon`` per OUTPUT token over any two
     messages, at most ``paraphrase_max_tokens`` tokens per message (a public cap; the receipt
     composes over it), utilities clipped to ``paraphrase_width`` below the top logit, prompt
-    ``paraphrase_template`` (``{text}`` = the message).
+    ``paraphrase_template`` (``{text}`` = the message); a chat with more than
+    ``paraphrase_max_messages`` user texts, or one longer than ``paraphrase_max_input_tokens``
+    tokens, is refused before anything is rewritten (each rewrite is an engine request that sees
+    the raw text).
     """
 
     mechanism: str = "trlap_corrected"
@@ -415,11 +425,14 @@ class PromptPrivacyConfig:
     paraphrase_width: float = DEFAULT_WIDTH
     paraphrase_max_tokens: int = DEFAULT_MAX_TOKENS
     paraphrase_template: str = DEFAULT_TEMPLATE
+    paraphrase_max_messages: int = 8
+    paraphrase_max_input_tokens: int = 1024
 
     def __post_init__(self) -> None:
         _choice(self.mechanism, PROMPT_MECHANISMS, "prompt.mechanism")
         _check_field(self, "paraphrase_width", check_positive, "prompt.paraphrase_width")
-        _check(check_count, self.paraphrase_max_tokens, "prompt.paraphrase_max_tokens")
+        for name in ("paraphrase_max_tokens", "paraphrase_max_messages", "paraphrase_max_input_tokens"):
+            _check(check_count, getattr(self, name), f"prompt.{name}")
         try:
             rewrite_prompt("", self.paraphrase_template)
         except (ValueError, TypeError, AttributeError) as exc:
