@@ -1,8 +1,9 @@
 """A private document collection: one document = one privacy unit.
 
-Sources: a JSONL file (one JSON object per line with ``text`` and an optional ``id``; a line
-number is the id otherwise) or a directory (each ``*.txt`` file is one document, its stem the
-id). Ids must be unique. A document longer than the public cap ``max_document_tokens`` is refused
+Sources: a JSONL file (one JSON object per line with ``id`` and ``text``) or a directory (each
+``*.txt`` file is one document, its stem the id). Every document needs its own unique id: the id
+decides its member, so it must not depend on the other documents (a line number would: removing
+one line would renumber, and re-assign, every later document). A document longer than the public cap ``max_document_tokens`` is refused
 (split it yourself: the unit is then each part). Documents are partitioned into ``k`` members by
 a keyed hash of their id (public and data-independent: the assignment depends on the id and the
 deployment's key, never on the text), so one document lands in exactly one member.
@@ -82,7 +83,12 @@ def _jsonl(path: Path, key: str) -> list[Document]:
             raise ValueError(f"{key}: {path} line {number} is not JSON: {exc}") from None
         if not isinstance(row, dict) or not isinstance(row.get("text"), str):
             raise ValueError(f"{key}: {path} line {number} needs a string field `text`")  # noqa: TRY004
-        docs.append(Document(str(row.get("id", number)), row["text"]))
+        doc_id = row.get("id")
+        if isinstance(doc_id, bool) or not isinstance(doc_id, str | int) or doc_id == "":
+            raise ValueError(f"{key}: {path} line {number} needs an `id` (a non-empty string or an integer): "
+                             "the id decides the document's member, and a line number would move every later "
+                             "document when one line is removed")
+        docs.append(Document(str(doc_id), row["text"]))
     return docs
 
 
