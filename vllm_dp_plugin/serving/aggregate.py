@@ -131,8 +131,15 @@ class RequestError(Exception):
         self.status, self.message, self.extra = status, message, extra or {}
 
 
+def fresh_rng() -> np.random.Generator:
+    """A generator seeded with 256 bits of OS entropy: one query's randomness."""
+    return np.random.default_rng(int.from_bytes(os.urandom(32), "big"))
+
+
 class AggregateService:
     """Answers chat and completion requests over the collections (built in ``init_state``)."""
+
+    rng = staticmethod(fresh_rng)  # each query's randomness (a test may set a seeded factory)
 
     def __init__(self, cfg: AggregatePrivacyConfig, engine_client, tokenizer, key: NoiseKey, model_name: str,
                  stop_ids: tuple[int, ...]):
@@ -250,7 +257,7 @@ class _Query:
         self.tokens: list[int] = []
         self.text = ""  # the decoded tokens (decoded once a step)
         self.finish = "length"
-        self.aggregator = Aggregator(params, np.random.default_rng(int.from_bytes(os.urandom(32), "big")))
+        self.aggregator = Aggregator(params, service.rng())
 
     async def steps(self):
         """Yield each new piece of text; settles the ledger when done (worst case on failure)."""
