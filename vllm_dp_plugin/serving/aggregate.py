@@ -14,15 +14,23 @@ scheduler changes; the sub-request loop gets lockstep from ``asyncio.gather``.
 
 What leaves: the chosen tokens (text), how many steps spent budget and the receipt; usage counts
 the public prompt and the output only. The documents, the members' distributions and prompts,
-and the members' token counts never reach a response or a log. Budget: a query reserves its
-worst case in the persistent ledger before any member is computed (HTTP 429 with the remaining
-budget when it does not fit) and settles what it spent when it ends (the worst case if it fails).
+and the members' token counts never reach a response or a log: a member's length is checked
+against a public bound (``max_member_tokens``) at start-up, a request against that bound before
+anything is reserved, and an engine error inside a query becomes one fixed, text-free error
+(``QUERY_FAILED``) and one fixed log line. The engine's prefix cache cannot be probed: member
+sub-requests carry a secret per-deployment ``cache_salt`` (keyed), the public sequence a fresh
+random one per query, so no client-chosen sequence shares a cached block with a member.
+Budget: a query reserves its worst case in the persistent ledger before any member is computed
+(HTTP 429 with the remaining budget when it does not fit) and settles what it spent when it ends
+(the worst case if it fails).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+import logging
 import os
 import time
 import uuid
@@ -41,7 +49,11 @@ from ..privacy.keyed_noise import NoiseKey
 from ..privacy.query_ledger import BudgetExhausted, QueryLedger
 from ..reports import QUERY_LEDGER_NAME, aggregate_statement
 
+logger = logging.getLogger("vllm.dp_privacy")
 ROUTES = ("/v1/completions", "/v1/chat/completions")
+# the one error (and log line) of a query that fails after its reservation: an engine error's text
+# (a prompt length, a traceback) may depend on the members' documents
+QUERY_FAILED = "the DP aggregation query failed; its reserved budget is spent"
 OPTION_EPSILON = "dp_epsilon"
 OPTIONS = ("dp_context", OPTION_EPSILON)
 RECEIPT_HEADER = "x-dp-receipt"
@@ -69,6 +81,16 @@ class ServedCollection:
     member_prefixes: tuple[tuple[int, ...], ...]  # SECRET: private documents
 
 
+def member_bound(cfg: AggregatePrivacyConfig, max_model_len: int) -> int:
+    """The public bound on one member's system turn (tokens): ``max_member_tokens``, default
+    half of ``max_model_len``; ConfigError when it leaves no room for an answer."""
+    bound = cfg.max_member_tokens or max_model_len // 2
+    if bound + cfg.max_tokens >= max_model_len:
+        raise ConfigError(f"aggregate.max_member_tokens={bound} + aggregate.max_tokens={cfg.max_tokens} leave no "
+                          f"room for a question in max_model_len={max_model_len}")
+    return bound
+
+
 def chat_prefix_ids(tokenizer, system: str) -> list[int]:
     """The chat template's rendering of a system turn holding ``system`` (token ids; a BOS the
     template writes is in the text)."""
@@ -77,8 +99,10 @@ def chat_prefix_ids(tokenizer, system: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def load_collections(cfg: AggregatePrivacyConfig, tokenizer, key: NoiseKey) -> tuple[ServedCollection, ...]:
-    """Every configured collection loaded, checked and partitioned (ConfigError naming the key)."""
+def load_collections(cfg: AggregatePrivacyConfig, tokenizer, key: NoiseKey,
+                     bound: int | None = None) -> tuple[ServedCollection, ...]:
+    """Every configured collection loaded, checked and partitioned (ConfigError naming the key;
+    ``bound``: the public bound on a member's system turn, see ``member_bound``)."""
 
     def count(text: str) -> int:
         return len(tokenizer.encode(text, add_special_tokens=False))
@@ -92,31 +116,41 @@ def load_collections(cfg: AggregatePrivacyConfig, tokenizer, key: NoiseKey) -> t
         parts = collection.partition(cfg.members, lambda doc_id, n=name: key.mac("aggregate/member", n, doc_id))
         prefixes = tuple(tuple(chat_prefix_ids(tokenizer, text)) if part else ()
                          for part, text in zip(parts, member_texts(parts), strict=True))
+        if bound is not None and any(len(p) > bound for p in prefixes):  # the operator's start-up error
+            raise ConfigError(f"aggregate.contexts.{name}: a member's documents exceed aggregate.max_member_tokens="
+                              f"{bound} tokens; raise the bound (or max_model_len) or add members")
         out.append(ServedCollection(name, prefixes))
     return tuple(out)
 
 
 class EngineSource:
-    """``decode.Source`` over a vLLM engine client: one-token sub-requests; the first prompt
-    (the public sequence) returns its top ``public_top`` log-probabilities (-1: all), the
-    members their top ``member_top``."""
+    """``decode.Source`` factory over a vLLM engine client: one-token sub-requests; the first
+    prompt (the public sequence) returns its top ``public_top`` log-probabilities (-1: all), the
+    members their top ``member_top``. Cache salts: ``member_salt`` (secret, per deployment: the
+    documents' prefill is reused across queries) for the members, a fresh random one per query
+    (``for_query``) for the public sequence."""
 
-    def __init__(self, engine_client, public_top: int, member_top: int):
+    def __init__(self, engine_client, public_top: int, member_top: int, member_salt: str):
         from vllm import SamplingParams
 
-        self.engine = engine_client
+        self.engine, self.member_salt = engine_client, member_salt
         self.params = [SamplingParams(max_tokens=1, temperature=0.0, logprobs=n, detokenize=False,
                                       flat_logprobs=True) for n in (public_top, member_top)]
 
-    async def __call__(self, prompts: list[list[int]]) -> list[TopLogprobs]:
+    def for_query(self):
+        """The ``decode.Source`` of one query (its public sequence's own salt)."""
+        return functools.partial(self.ask, os.urandom(16).hex())
+
+    async def ask(self, public_salt: str, prompts: list[list[int]]) -> list[TopLogprobs]:
         from vllm.inputs.engine import tokens_input
 
         batch = uuid.uuid4().hex
+        salts = (public_salt, self.member_salt)
 
         async def one(i: int, ids: list[int]) -> TopLogprobs:
             final = None
-            params = self.params[min(i, 1)]
-            async for out in self.engine.generate(tokens_input(ids), params, f"dpagg-{batch}-{i}"):
+            params, salt = self.params[min(i, 1)], salts[min(i, 1)]
+            async for out in self.engine.generate(tokens_input(ids, cache_salt=salt), params, f"dpagg-{batch}-{i}"):
                 final = out
             flat = final.outputs[0].logprobs  # FlatLogprobs: position 0's entries
             start, end = flat.start_indices[0], flat.end_indices[0]
@@ -142,14 +176,17 @@ class AggregateService:
     rng = staticmethod(fresh_rng)  # each query's randomness (a test may set a seeded factory)
 
     def __init__(self, cfg: AggregatePrivacyConfig, engine_client, tokenizer, key: NoiseKey, model_name: str,
-                 stop_ids: tuple[int, ...]):
+                 stop_ids: tuple[int, ...], max_model_len: int):
         self.cfg, self.engine, self.tokenizer, self.model_name = cfg, engine_client, tokenizer, model_name
-        self.collections = {c.name: c for c in load_collections(cfg, tokenizer, key)}
+        self.max_model_len = max_model_len
+        self.member_bound = member_bound(cfg, max_model_len)
+        self.collections = {c.name: c for c in load_collections(cfg, tokenizer, key, self.member_bound)}
         self.ledger = QueryLedger(key, cfg.budget_file or key.path.parent / QUERY_LEDGER_NAME)
         self.total = Budget(cfg.total_epsilon, cfg.total_delta)
         self.stop_ids = stop_ids
         choices = -1 if cfg.choices is None else cfg.choices
-        self.source = EngineSource(engine_client, choices, 1 if cfg.mechanism == "vote" else choices)
+        self.source = EngineSource(engine_client, choices, 1 if cfg.mechanism == "vote" else choices,
+                                   key.mac("aggregate/cache-salt", "members").hex())
 
     def statement(self) -> dict:
         """``/v1/dp/budget``'s statement (the same as ``vllm-dp account``), spending included."""
@@ -202,18 +239,30 @@ class AggregateService:
             return list(prompt)
         raise RequestError(400, "`prompt` must be one string or one list of token ids")
 
-    def _member_ids(self, path: str, body: dict, collection: ServedCollection, public: list[int]) -> list[list[int]]:
-        """Member i: its documents' system turn, then the conversation (chat: the template over
-        [system, *messages]; completions: the prefix, then the prompt); an empty member sees the
-        public sequence."""
-        if path == "/v1/completions":
-            bos = self.tokenizer.bos_token_id
-            rest = public[1:] if public and bos is not None and public[0] == bos else public
-            return [[*prefix, *rest] if prefix else list(public) for prefix in collection.member_prefixes]
-        out = []
-        for prefix in collection.member_prefixes:
-            out.append([*prefix, *self._conversation_ids(body["messages"])] if prefix else list(public))
-        return out
+    def _suffix_ids(self, path: str, body: dict, public: list[int]) -> list[int]:
+        """What follows a member's system turn: the conversation (chat: the template over
+        [system, *messages] after the system turn) or the prompt without a leading BOS
+        (completions). Computed from the request alone."""
+        if path == "/v1/chat/completions":
+            return self._conversation_ids(body["messages"])
+        bos = self.tokenizer.bos_token_id
+        return public[1:] if public and bos is not None and public[0] == bos else list(public)
+
+    def _check_room(self, public: list[int], suffix: list[int], max_tokens: int) -> None:
+        """Refuse (400, public numbers only) a request that would not fit ``max_model_len``
+        after the longest member allowed (``member_bound``): no length error may come from a
+        member's true length."""
+        need = max(len(public), self.member_bound + len(suffix)) + max_tokens
+        if need > self.max_model_len:
+            raise RequestError(400, f"the request is too long for DP aggregation: {len(suffix)} tokens after a member's "
+                                    f"documents (public bound aggregate.max_member_tokens={self.member_bound}) plus "
+                                    f"max_tokens={max_tokens} exceed max_model_len={self.max_model_len}")
+
+    @staticmethod
+    def _member_ids(collection: ServedCollection, public: list[int], suffix: list[int]) -> list[list[int]]:
+        """Member i: its documents' system turn, then ``suffix``; an empty member sees the public
+        sequence."""
+        return [[*prefix, *suffix] if prefix else list(public) for prefix in collection.member_prefixes]
 
     def _conversation_ids(self, messages: list[dict]) -> list[int]:
         """The template's rendering of ``messages`` after a system turn (ids), generation prompt on."""
@@ -230,7 +279,9 @@ class AggregateService:
             collection, eps = self._options(body)
             max_tokens = self._max_tokens(body)
             public = self._public_ids(path, body)
-            members = self._member_ids(path, body, collection, public)
+            suffix = self._suffix_ids(path, body, public)
+            self._check_room(public, suffix, max_tokens)
+            members = self._member_ids(collection, public, suffix)
             params = aggregation_params(self.cfg, eps)
             try:
                 reservation = self.ledger.reserve(collection.name, self.total, params.worst_case)
@@ -263,7 +314,7 @@ class _Query:
         """Yield each new piece of text; settles the ledger when done (worst case on failure)."""
         settled = self.reservation.amount
         try:
-            async for step in generate(self.service.source, self.public, self.members, self.aggregator,
+            async for step in generate(self.service.source.for_query(), self.public, self.members, self.aggregator,
                                        self.max_tokens, self.service.stop_ids):
                 if step.token in self.service.stop_ids:
                     self.finish = "stop"
@@ -288,8 +339,12 @@ class _Query:
                 "total_tokens": len(self.public) + len(self.tokens)}
 
     async def respond(self) -> JSONResponse:
-        async for _ in self.steps():
-            pass
+        try:
+            async for _ in self.steps():
+                pass
+        except Exception:  # noqa: BLE001 - the engine's error text may depend on the documents
+            logger.error("vllm-dp: %s", QUERY_FAILED)
+            return _error(RequestError(500, QUERY_FAILED))
         text = self.text
         choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": self.finish}
                   if self.chat else {"index": 0, "text": text, "logprobs": None, "finish_reason": self.finish})
@@ -314,10 +369,16 @@ class _Query:
 
         if self.chat:
             yield chunk(None, None, role=True)
-        async for piece in self.steps():
-            if piece:
-                yield chunk(piece, None)
-        yield chunk(None, self.finish, usage=self.usage(), **{RECEIPT_FIELD: self.receipt()})
+        try:
+            async for piece in self.steps():
+                if piece:
+                    yield chunk(piece, None)
+        except Exception:  # noqa: BLE001 - the engine's error text may depend on the documents
+            logger.error("vllm-dp: %s", QUERY_FAILED)
+            error = {"message": QUERY_FAILED, "type": "InternalServerError", "code": 500}
+            yield f"data: {json.dumps({'error': error}, separators=(',', ':'))}\n\n"
+        else:
+            yield chunk(None, self.finish, usage=self.usage(), **{RECEIPT_FIELD: self.receipt()})
         yield "data: [DONE]\n\n"
 
 
@@ -326,6 +387,6 @@ def _budget_json(b: Budget) -> dict:
 
 
 def _error(exc: RequestError) -> JSONResponse:
-    kinds = {400: "BadRequestError", 429: "RateLimitError"}
+    kinds = {400: "BadRequestError", 429: "RateLimitError", 500: "InternalServerError"}
     return JSONResponse({"error": {"message": exc.message, "type": kinds.get(exc.status, "Error"),
                                    "code": exc.status, **exc.extra}}, status_code=exc.status)

@@ -56,6 +56,7 @@ from .settings import (
     contexts_out_of_regime,
     dp_config,
     private_contexts,
+    private_prompts,
 )
 from .verify import LAYER_REPORT, check_layers
 
@@ -68,6 +69,11 @@ CONTEXT_POST = ("/v1/completions", "/v1/chat/completions", "/invocations", *HARM
 PROMPT_POST = (*CONTEXT_POST, "/v1/chat/completions/batch", "/v1/responses", "/v1/messages")
 ENCODER_POST = ("/v1/audio/transcriptions", "/v1/audio/translations", *HARMLESS_POST)
 AGGREGATE_POST = (*AGGREGATE_ROUTES, *HARMLESS_POST)
+# GET routes closed while private prompts run through the engine (DP aggregation's members,
+# paraphrase rewrites): vLLM's counters (prompt tokens, prefix-cache hits) add up their lengths
+CLOSED_GET = ("/metrics",)
+COUNTERS_CLOSED = ("/metrics is not available while private prompts run through the engine (DP aggregation, "
+                   "paraphrase): its counters add up their lengths")
 # field -> why it is refused (a value counts as set unless it is None or False: 0 is set, since
 # prompt_logprobs=0 still returns the logprob of every prompt token)
 FORBIDDEN_FIELDS = {
@@ -168,9 +174,13 @@ class PrivateContextGuard:
         self.app = app
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["method"] != "POST":
+        if scope["type"] != "http":
             return await self.app(scope, receive, send)
         state = scope["app"].state
+        if scope["method"] != "POST":
+            if getattr(state, "dp_counters_closed", False) and scope["path"].rstrip("/") in CLOSED_GET:
+                return await _error(403, COUNTERS_CLOSED)(scope, receive, send)
+            return await self.app(scope, receive, send)
         routes = getattr(state, "dp_routes", None)
         guard, prompt_cfg = getattr(state, "dp_guard", False), getattr(state, "dp_prompt", None)
         contexts = getattr(state, "dp_contexts", ())
@@ -300,7 +310,7 @@ class DPPrivacyEndpoints:
 
     async def init_state(self, engine_client, state, args) -> None:
         state.dp_budget, state.dp_guard, state.dp_prompt, state.dp_routes = {"enabled": False}, False, None, None
-        state.dp_contexts, state.dp_aggregate = (), None
+        state.dp_contexts, state.dp_aggregate, state.dp_counters_closed = (), None, False
         if engine_client is None:  # the CPU-only render server: no engine, nothing private
             return
         vllm_config = engine_client.vllm_config
@@ -310,6 +320,8 @@ class DPPrivacyEndpoints:
             return
         check_prompt_serving(vllm_config, cfg)
         check_request_logging(args)
+        state.dp_counters_closed = private_prompts(cfg)
+        check_log_stats(args, state.dp_counters_closed)
         if cfg.attention is not None:
             await verify_engine(engine_client, vllm_config)
         if cfg.aggregate is not None:
@@ -365,10 +377,18 @@ def aggregate_service(engine_client, vllm_config, cfg, args) -> AggregateService
     names = getattr(args, "served_model_name", None)
     name = names[0] if names else vllm_config.model_config.model
     service = AggregateService(cfg.aggregate, engine_client, tokenizer, NoiseKey(cfg.key_file), name,
-                               tuple(sorted(stops)))
+                               tuple(sorted(stops)), vllm_config.model_config.max_model_len)
     logger.info("vllm-dp: DP aggregation over %d collection(s), %d members each (unit: one document)",
                 len(service.collections), cfg.aggregate.members)
     return service
+
+
+def check_log_stats(args, private: bool) -> None:
+    """Refuse to serve ``private`` prompts with vLLM's periodic stats log on: its "Avg prompt
+    throughput" line adds up their lengths (``vllm-dp serve`` passes ``--disable-log-stats``)."""
+    if private and not getattr(args, "disable_log_stats", False):
+        raise ConfigError("dp_privacy: DP aggregation and paraphrase need --disable-log-stats (vLLM's stats log "
+                          "counts the private prompts' tokens); vllm-dp serve adds it")
 
 
 def check_request_logging(args) -> None:

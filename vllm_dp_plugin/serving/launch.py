@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..config import CONFIG_KEY, ConfigError, parse_section, section_from_file
 from .memory import DEFAULT_SEQUENCES, kv_cache_flags
-from .settings import PLUGIN_NAME, TOKENIZER_MODE
+from .settings import PLUGIN_NAME, TOKENIZER_MODE, private_prompts
 from .vllm_compat import install_version_shim
 
 
@@ -175,6 +175,8 @@ def serve_arguments(argv: list[str], dp_config: str | None) -> list[str]:
             flags += ["--tokenizer-mode", TOKENIZER_MODE]
     if (prompt or {}).get("mode") == "embeddings" and "--enable-prompt-embeds" not in argv:
         flags.append("--enable-prompt-embeds")
+    if private_prompts(parsed) and "--disable-log-stats" not in argv:  # its stats log counts their tokens
+        flags.append("--disable-log-stats")
     _calibrate_if_missing(argv, att)
     return [*argv, *flags]
 

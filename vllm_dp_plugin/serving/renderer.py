@@ -200,7 +200,8 @@ class DPRenderer(HfRenderer):
         of it is public from then on (the rewrites are the DP release)."""
         mechanism = self._prompt.paraphraser(options)
         marked = mark_user_texts(messages)
-        rewrites = [await self._rewrite(text, mechanism) for text in marked.texts]
+        self._check_paraphrase_input(marked.texts)
+        rewrites = list(await asyncio.gather(*(self._rewrite(text, mechanism) for text in marked.texts)))
         text_params = _text_params(params)
         conversation, real = await super().render_messages_async(replace_user_texts(marked, rewrites), text_params)
         _, template = await super().render_messages_async(marked.messages, text_params)
@@ -212,6 +213,19 @@ class DPRenderer(HfRenderer):
         receipt = self._prompt.paraphrase_receipt(mechanism, len(rewrites))
         self._record(receipt, request, slot)
         return conversation, {"prompt_token_ids": ids, RECEIPT_MARK: receipt}
+
+    def _check_paraphrase_input(self, texts) -> None:
+        """Refuse, before any rewrite runs, a chat with more user texts than
+        ``prompt.paraphrase_max_messages`` or a text longer than ``paraphrase_max_input_tokens``
+        (every rewrite is an engine request over the raw text). ValueError naming the key."""
+        cfg = self._prompt.cfg
+        if len(texts) > cfg.paraphrase_max_messages:
+            raise ValueError(f"paraphrase rewrites at most prompt.paraphrase_max_messages={cfg.paraphrase_max_messages} "
+                             f"user messages a request, this chat has {len(texts)}")
+        longest = max((len(self._encode(t)) for t in texts), default=0)
+        if longest > cfg.paraphrase_max_input_tokens:
+            raise ValueError(f"paraphrase rewrites user messages of at most prompt.paraphrase_max_input_tokens="
+                             f"{cfg.paraphrase_max_input_tokens} tokens, this chat has one of {longest}")
 
     async def _rewrite(self, text: str, mechanism) -> str:
         """One rewrite of ``text`` by the served engine (``serving.paraphrase``), keyed noise."""
@@ -228,8 +242,10 @@ class DPRenderer(HfRenderer):
         final = None
         token = _REWRITING.set(True)
         try:
-            async for output in self._engine.generate({"prompt_token_ids": rewrite_prompt_ids(self.tokenizer, text, template)},
-                                                      params, f"dp-rewrite-{os.urandom(8).hex()}"):
+            # a fresh cache salt: no other request (a guess of this text) can hit its cached blocks
+            prompt = {"prompt_token_ids": rewrite_prompt_ids(self.tokenizer, text, template),
+                      "cache_salt": os.urandom(16).hex()}
+            async for output in self._engine.generate(prompt, params, f"dp-rewrite-{os.urandom(8).hex()}"):
                 final = output
         finally:
             _REWRITING.reset(token)

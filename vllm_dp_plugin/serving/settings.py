@@ -35,6 +35,7 @@ from ..plan import (
 )
 from ..privacy.keyed_noise import NoiseKey
 from ..privacy.release_ledger import ReleaseLedger
+from ..prompt.paraphrase import PARAPHRASE
 from .context import (
     ContextIdentity,
     PrivateContext,
@@ -52,6 +53,13 @@ def dp_config(vllm_config) -> DPPrivacyConfig:
     """The validated ``dp_privacy`` section (an empty config, i.e. DP off, when absent), parsed
     once per process and section (every call after the first returns the same object)."""
     return parse_section(_raw_section(vllm_config))
+
+
+def private_prompts(cfg: DPPrivacyConfig) -> bool:
+    """Whether private prompts run through the engine, where its counters, stats log and prefix
+    cache see them: DP aggregation's members (documents) or paraphrase rewrites (the user's raw
+    text)."""
+    return cfg.aggregate is not None or (cfg.prompt is not None and cfg.prompt.mechanism == PARAPHRASE)
 
 
 def raw_config_json(vllm_config) -> str:

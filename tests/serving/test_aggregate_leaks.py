@@ -1,0 +1,201 @@
+"""DP aggregation's side channels closed (issue 31 items 1-4), engine-free: a fake engine that,
+like vLLM, names a too-long prompt's length. Two collections that differ by one document must
+give a client the same bytes everywhere but in the DP outputs: errors (length, engine failure),
+log lines, the prefix cache (salts) and the counters (/metrics, stats log)."""
+
+import asyncio
+import json
+import logging
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from tests.serving.fake_engine import FakeEngine
+from vllm_dp_plugin.config import AggregatePrivacyConfig, ConfigError, parse_section
+from vllm_dp_plugin.privacy.accountant import Budget
+from vllm_dp_plugin.privacy.keyed_noise import NoiseKey
+from vllm_dp_plugin.serving.aggregate import QUERY_FAILED, AggregateService
+from vllm_dp_plugin.serving.http import COUNTERS_CLOSED, PrivateContextGuard, check_log_stats
+from vllm_dp_plugin.serving.launch import serve_arguments
+
+MAX_MODEL_LEN = 512
+DOCS = [f"Memo {i}: the depot of Harlow Freight number {i} closes at {i % 12 + 1} pm." for i in range(12)]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    from vllm_dp_plugin.demo import make_demo_llama
+
+    return AutoTokenizer.from_pretrained(make_demo_llama(tmp_path_factory.mktemp("demo") / "llama"))
+
+
+def service(tmp_path, tokenizer, docs, engine=None, **settings) -> AggregateService:
+    """A service over one collection ``docs`` (ids d0, d1, ...; a removed document keeps the others' ids)."""
+    path = tmp_path / f"docs-{len(docs)}.jsonl"
+    path.write_text("".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in docs))
+    cfg = AggregatePrivacyConfig(contexts={"c": str(path)}, members=4, epsilon=4.0, total_epsilon=400.0,
+                                 max_tokens=8, gate="none", budget_file=str(tmp_path / f"q-{len(docs)}.jsonl"),
+                                 **settings)
+    engine = engine or FakeEngine(len(tokenizer), MAX_MODEL_LEN)
+    return AggregateService(cfg, engine, tokenizer, NoiseKey(tmp_path / "noise.key"), "m", (tokenizer.eos_token_id,),
+                            MAX_MODEL_LEN)
+
+
+def neighbours(tmp_path, tokenizer, **kw) -> tuple[AggregateService, AggregateService]:
+    docs = [(f"d{i}", t) for i, t in enumerate(DOCS)]
+    return (service(tmp_path, tokenizer, docs, **kw),
+            service(tmp_path, tokenizer, [d for d in docs if d[0] != "d5"], **kw))
+
+
+def answer(svc: AggregateService, path: str, body: dict) -> tuple[int, dict]:
+    reply = asyncio.run(svc.handle(path, body))
+    return reply.status_code, json.loads(reply.body)
+
+
+def queries(svc: AggregateService) -> int:
+    return svc.ledger.status("c", Budget(400.0, 1e-4)).queries
+
+
+def test_a_member_over_the_public_bound_is_refused_at_start_up_without_its_length(tmp_path, tokenizer):
+    long_doc = [("big", "word " * 300)]
+    with pytest.raises(ConfigError) as err:
+        service(tmp_path, tokenizer, long_doc, max_member_tokens=100)
+    assert str(err.value) == ("aggregate.contexts.c: a member's documents exceed aggregate.max_member_tokens=100 "
+                              "tokens; raise the bound (or max_model_len) or add members")  # no true length
+    with pytest.raises(ConfigError, match="leave no room"):
+        service(tmp_path, tokenizer, long_doc, max_member_tokens=MAX_MODEL_LEN - 8)
+
+
+def test_a_prompt_too_long_for_a_member_is_refused_before_the_engine_alike_for_neighbours(tmp_path, tokenizer):
+    """The leak: a completions prompt that fits alone but not after a member's documents made
+    vLLM name the member's prefix length. Now the public bound decides, before any reservation."""
+    a, b = neighbours(tmp_path, tokenizer)
+    assert a.member_bound == b.member_bound == MAX_MODEL_LEN // 2  # the default: half of max_model_len
+    room = MAX_MODEL_LEN - a.member_bound - 8
+    replies = []
+    for svc in (a, b):
+        fits = answer(svc, "/v1/completions", {"prompt": list(range(5, 5 + room)), "max_tokens": 8})
+        assert fits[0] == 200, fits
+        replies.append(answer(svc, "/v1/completions", {"prompt": list(range(5, 6 + room)), "max_tokens": 8}))
+        assert queries(svc) == 1  # the refused one reserved nothing
+    assert replies[0] == replies[1] and replies[0][0] == 400
+    message = replies[0][1]["error"]["message"]
+    assert f"max_model_len={MAX_MODEL_LEN}" in message and f"max_member_tokens={a.member_bound}" in message
+    assert f"{room + 1} tokens after a member's documents" in message
+
+
+def test_an_engine_error_inside_a_query_is_one_fixed_error_and_log_line(tmp_path, tokenizer, caplog):
+    a, b = neighbours(tmp_path, tokenizer)
+    for svc in (a, b):
+        svc.source.engine.fail = True
+    caplog.set_level(logging.INFO, logger="vllm.dp_privacy")
+    body = {"messages": [{"role": "user", "content": "When does the depot close?"}]}
+    replies = [answer(svc, "/v1/chat/completions", body) for svc in (a, b)]
+    assert replies[0] == replies[1] == (500, {"error": {"message": QUERY_FAILED, "type": "InternalServerError",
+                                                        "code": 500}})
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [f"vllm-dp: {QUERY_FAILED}"] * 2  # nothing else, no engine text, no traceback
+    assert all("length" not in line for line in lines)
+    assert queries(a) == queries(b) == 1  # the reservation is spent (settled at the worst case)
+
+
+def test_a_failing_stream_ends_with_the_same_fixed_error(tmp_path, tokenizer):
+    svc = service(tmp_path, tokenizer, [("d0", DOCS[0])], engine=FakeEngine(len(tokenizer), MAX_MODEL_LEN, fail=True))
+    body = {"messages": [{"role": "user", "content": "Hi"}], "stream": True}
+
+    async def collect():
+        reply = await svc.handle("/v1/chat/completions", body)
+        return [chunk async for chunk in reply.body_iterator]
+
+    events = [e.removeprefix("data: ").strip() for e in asyncio.run(collect())]
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["message"] == QUERY_FAILED
+
+
+def test_members_carry_a_secret_cache_salt_and_the_public_sequence_a_fresh_one(tmp_path, tokenizer):
+    """No client-chosen sequence can share a cached block with a member: members are salted with a
+    keyed per-deployment salt, the public sequence (what the client sends) with its own per query."""
+    svc = service(tmp_path, tokenizer, [(f"d{i}", t) for i, t in enumerate(DOCS)])
+    body = {"messages": [{"role": "user", "content": "When does the depot close?"}], "max_tokens": 2}
+    for _ in range(2):
+        assert answer(svc, "/v1/chat/completions", body)[0] == 200
+    calls = svc.source.engine.calls
+    publics = [c for c in calls if c["request_id"].endswith("-0")]
+    members = [c for c in calls if not c["request_id"].endswith("-0")]
+    member_salts = {c["cache_salt"] for c in members}
+    assert len(member_salts) == 1 and None not in member_salts  # one keyed salt, every query
+    assert member_salts == {NoiseKey(tmp_path / "noise.key").mac("aggregate/cache-salt", "members").hex()}
+    public_salts = [c["cache_salt"] for c in publics]
+    assert len(set(public_salts)) == 2 and not set(public_salts) & member_salts  # fresh per query
+
+
+def test_metrics_are_closed_and_the_stats_log_is_off_while_private_prompts_run(tmp_path):
+    app = FastAPI()
+    app.add_middleware(PrivateContextGuard)
+
+    @app.get("/metrics")
+    async def metrics():
+        return {"vllm:prompt_tokens_total": 6046}
+
+    client = TestClient(app)
+    assert client.get("/metrics").status_code == 200  # DP off
+    app.state.dp_counters_closed = True
+    for path in ("/metrics", "/metrics/"):
+        reply = client.get(path)
+        assert reply.status_code == 403 and reply.json()["error"]["message"] == COUNTERS_CLOSED
+    check_log_stats(SimpleNamespace(disable_log_stats=True), True)
+    check_log_stats(SimpleNamespace(disable_log_stats=False), False)
+    with pytest.raises(ConfigError, match="--disable-log-stats"):
+        check_log_stats(SimpleNamespace(disable_log_stats=False), True)
+    key = str(tmp_path / "k")
+    for section, forced in (({"aggregate": {"contexts": {"c": "x.jsonl"}}}, True),
+                            ({"prompt": {"mechanism": "paraphrase"}}, True),
+                            ({"prompt": {"mechanism": "laplace"}}, False)):
+        path = tmp_path / "dp.json"
+        path.write_text(json.dumps({"dp_privacy": {"key_file": key, **section}}))
+        assert ("--disable-log-stats" in serve_arguments(["MODEL"], str(path))) == forced
+        assert serve_arguments(["MODEL", "--disable-log-stats"], str(path)).count("--disable-log-stats") == 1
+
+
+def test_paraphrase_refuses_too_many_or_too_long_messages_before_any_rewrite():
+    from vllm_dp_plugin.serving.renderer import DPRenderer
+
+    cfg = parse_section({"prompt": {"mechanism": "paraphrase", "paraphrase_max_messages": 2,
+                                    "paraphrase_max_input_tokens": 5}}).prompt
+    renderer = SimpleNamespace(_prompt=SimpleNamespace(cfg=cfg), _encode=lambda text: text.split())
+    DPRenderer._check_paraphrase_input(renderer, ["one two", "three four five six seven"])
+    with pytest.raises(ValueError, match="paraphrase_max_messages=2 user messages a request, this chat has 3"):
+        DPRenderer._check_paraphrase_input(renderer, ["a", "b", "c"])
+    with pytest.raises(ValueError, match="paraphrase_max_input_tokens=5 tokens, this chat has one of 6"):
+        DPRenderer._check_paraphrase_input(renderer, ["a b c d e f"])
+
+
+def test_each_paraphrase_rewrite_runs_under_a_fresh_cache_salt(tmp_path, tokenizer):
+    """The raw message goes through the shared engine: a later request (a guess of the text) must
+    not hit its cached blocks."""
+    from vllm_dp_plugin.prompt.paraphrase import ParaphraseMechanism
+    from vllm_dp_plugin.serving.renderer import DPRenderer
+
+    class Engine:
+        def __init__(self):
+            self.vllm_config, self.prompts = SimpleNamespace(speculative_config=None), []
+
+        async def generate(self, prompt, params, request_id):
+            self.prompts.append(prompt)
+            yield SimpleNamespace(outputs=[SimpleNamespace(text=" a rewrite ")])
+
+    cfg = parse_section({"prompt": {"mechanism": "paraphrase"}}).prompt
+    engine = Engine()
+    renderer = SimpleNamespace(_engine=engine, _rewrite_refusal=None, _prompt=SimpleNamespace(cfg=cfg),
+                               _key=NoiseKey(tmp_path / "noise.key"), tokenizer=tokenizer)
+    mechanism = ParaphraseMechanism(epsilon=10.0)
+    for _ in range(2):
+        assert asyncio.run(DPRenderer._rewrite(renderer, "my secret text", mechanism)) == "a rewrite"
+    salts = [p.get("cache_salt") for p in engine.prompts]
+    assert len(salts) == 2 and None not in salts and salts[0] != salts[1] and len(salts[0]) == 32
