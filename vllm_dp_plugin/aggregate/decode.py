@@ -98,9 +98,13 @@ class Aggregator:
         self.private_steps += 1
         return Step(int(candidates[index]), True)
 
-    def spent(self) -> Budget:
-        """What this query spent so far: its private steps and an open gate instance."""
-        return self.params.spent(self.private_steps, self.gate_open)
+    def settlement(self) -> Budget:
+        """What this query settles in the ledger (and states in its receipt): its private steps
+        and an open gate instance, charged within the reserved ``params.worst_case``
+        (``AggregationParams.settlement``)."""
+        return self.params.settlement(self.private_steps, self.gate_open)
+
+    spent = settlement  # the name serving/aggregate.py calls until it is rewired to settlement()
 
 
 Source = Callable[[list[list[int]]], Awaitable[list[TopLogprobs]]]

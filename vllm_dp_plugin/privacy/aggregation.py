@@ -39,7 +39,14 @@ quantities: the conversation and the tokens released so far). Every query admits
 
 Accounting (dp-accounting's RDP accountant on zCDP events; the minimum with basic composition
 of the pure epsilons, both valid): ``n`` private steps spend
-``n x (ZCDp(eps_select^2 / 8) + ZCDp(eps_gate^2 / 2))``, reported at the query's delta.
+``n x (ZCDp(eps_select^2 / 8) + ZCDp(eps_gate^2 / 2))``, reported at the query's delta. A query
+reserves its worst case (every private step taken) in the ledger before it runs and settles
+``AggregationParams.settlement``, which is at most the reservation in epsilon and in delta by
+construction: where the worst case is the pure statement, the pure basic epsilon of the steps
+taken (pure mechanisms chosen adaptively compose by basic composition as a filter: Rogers,
+Roth, Ullman & Vadhan 2016); where it is the RDP statement, the worst case itself (the RDP
+statement of the steps a query happened to take is an after-the-fact figure: summing those over
+queries is an odometer, not a filter).
 Noise is drawn in float64 (Gumbel-max for the exponential mechanism); see ``mechanisms`` for
 what floating point does to pure-DP statements.
 """
@@ -160,7 +167,7 @@ class AggregationParams:
         instance open (``open_gate``, see ``events``): the RDP accountant on zCDP events, or
         basic composition of the pure epsilons where that is smaller."""
         open_gate = open_gate and self.gated
-        basic = private_steps * (self.eps_select + self.eps_gate) + (self.eps_gate if open_gate else 0.0)
+        basic = self._basic(private_steps, open_gate)
         if basic == 0.0:
             return Budget(0.0, 0.0)
         accountant = rdp_privacy_accountant.RdpAccountant()
@@ -168,11 +175,33 @@ class AggregationParams:
         rdp = float(accountant.get_epsilon(self.delta))
         return Budget(basic, 0.0) if basic <= rdp else Budget(rdp, self.delta)
 
+    def _basic(self, private_steps: int, open_gate: bool) -> float:
+        """Basic composition of the pure epsilons of ``private_steps`` steps and an open gate."""
+        open_gate = open_gate and self.gated
+        return private_steps * (self.eps_select + self.eps_gate) + (self.eps_gate if open_gate else 0.0)
+
     @property
     def worst_case(self) -> Budget:
         """What a query may spend at most: every allowed private step taken (an open gate
         instance means fewer steps, and the gate is not asked once the cap is reached)."""
         return self.spent(self.max_private_tokens)
+
+    def settlement(self, private_steps: int, open_gate: bool = False) -> Budget:
+        """What a query that made ``private_steps`` private steps and left a gate instance open
+        (``open_gate``) settles in the ledger, having reserved ``worst_case``: at most the
+        reservation in epsilon and in delta, by construction. Where the worst case is the pure
+        statement (delta 0), the pure basic epsilon of the steps taken, delta 0; where it is the
+        RDP statement, the worst case itself (see the module's Accounting). Raises
+        ``ValueError`` for a state no query reaches (more steps than the cap, or a gate left open
+        at the cap: the gate is not asked there)."""
+        room = self.max_private_tokens - (1 if open_gate and self.gated else 0)
+        if not 0 <= private_steps <= room:
+            raise ValueError(f"no query makes {private_steps} private steps with open_gate={open_gate} "
+                             f"(at most {self.max_private_tokens}, the gate is not asked at the cap)")
+        worst = self.worst_case
+        if worst.delta > 0.0:
+            return worst
+        return Budget(self._basic(private_steps, open_gate), 0.0)
 
     @classmethod
     def calibrated(cls, mechanism: str, members: int, budget: Budget, max_private_tokens: int,
