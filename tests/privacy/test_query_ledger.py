@@ -1,11 +1,16 @@
 """The query ledger: reserve-before-compute, settle, refusal at the total, persistence across
-restarts, crash safety, keyed entries only, and no over-spending under concurrent processes."""
+restarts, crash safety, keyed entries only, no over-spending under concurrent processes and
+threads, and running totals that parse only what other writers appended (exact sums; a replaced,
+shortened or rewritten file is read again)."""
 
 import json
+import math
 import multiprocessing
 import os
 import stat
+import threading
 
+import numpy as np
 import pytest
 
 from vllm_dp_plugin.privacy.accountant import Budget
@@ -243,3 +248,109 @@ def test_concurrent_processes_never_overspend(tmp_path):
     assert len(ledger_path.read_text().splitlines()) == 25
     status = QueryLedger(NoiseKey(key_path), ledger_path).status("shared", Budget(25.0, 0.0))
     assert status.spent == Budget(25.0, 0.0) and status.queries == 25 and status.remaining == Budget(0.0, 0.0)
+
+
+# --- running totals: only what was appended since the last read is parsed (issue 31, item 8) ----
+def _count_parses(monkeypatch):
+    from vllm_dp_plugin.privacy import query_ledger
+
+    calls = []
+    real = query_ledger._parse
+    monkeypatch.setattr(query_ledger, "_parse", lambda raw: calls.append(raw) or real(raw))
+    return calls
+
+
+def test_a_reserve_parses_only_the_lines_other_writers_appended(key, tmp_path, monkeypatch):
+    path = tmp_path / "queries.jsonl"
+    mine, other = QueryLedger(key, path), QueryLedger(key, path)
+    for _ in range(50):
+        mine.settle(mine.reserve("ctx", TOTAL, Budget(0.01, 0.0)), Budget(0.005, 0.0))
+    calls = _count_parses(monkeypatch)
+    mine.reserve("ctx", TOTAL, Budget(0.01, 0.0))
+    assert calls == []  # its own lines are applied as written: nothing re-read
+    other.settle(other.reserve("ctx", TOTAL, Budget(0.02, 1e-7)), Budget(0.01, 0.0))  # parses 101 once
+    assert len(calls) == 101
+    calls.clear()
+    status = mine.status("ctx", TOTAL)
+    assert len(calls) == 2  # the other writer's two lines
+    assert status.queries == 52
+    assert status.spent == Budget(math.fsum([0.005] * 50 + [0.01, 0.01]), 0.0)
+    assert other.status("ctx", TOTAL) == status
+
+
+def test_running_totals_are_the_exact_sums_of_the_file(key, tmp_path):
+    rng = np.random.default_rng(0)
+    path = tmp_path / "queries.jsonl"
+    writers = [QueryLedger(key, path) for _ in range(3)]
+    amounts = []
+    for i in range(300):
+        ledger = writers[i % 3]
+        reserved = Budget(float(rng.uniform(0, 0.01)), float(rng.uniform(0, 1e-8)))
+        reservation = ledger.reserve("ctx", Budget(10.0, 1e-5), reserved)
+        if i % 4:
+            actual = Budget(reserved.epsilon * float(rng.uniform()), 0.0)
+            ledger.settle(reservation, actual)
+            amounts.append(actual)
+        else:
+            amounts.append(reserved)  # unsettled: counts in full
+    expected = Budget(math.fsum(a.epsilon for a in amounts), math.fsum(a.delta for a in amounts))
+    for ledger in [*writers, QueryLedger(key, path)]:
+        assert ledger.status("ctx", Budget(10.0, 1e-5)).spent == expected  # bit for bit
+
+
+def test_a_replaced_or_shortened_file_is_read_again(key, tmp_path):
+    path = tmp_path / "queries.jsonl"
+    ledger = QueryLedger(key, path)
+    ledger.reserve("ctx", TOTAL, Budget(1.0, 0.0))
+    first = path.read_bytes()
+    ledger.reserve("ctx", TOTAL, Budget(0.5, 0.0))
+    assert ledger.status("ctx", TOTAL).spent == Budget(1.5, 0.0)
+    path.write_bytes(first)  # same inode, shorter
+    assert ledger.status("ctx", TOTAL).spent == Budget(1.0, 0.0)
+    replacement = tmp_path / "new.jsonl"
+    QueryLedger(key, replacement).reserve("ctx", TOTAL, Budget(0.25, 0.0))
+    os.replace(replacement, path)  # another file
+    status = ledger.status("ctx", TOTAL)
+    assert status.spent == Budget(0.25, 0.0) and status.queries == 1
+    # rewritten in place, same size, its last line changed: read again
+    path.write_bytes(path.read_bytes().replace(b'"epsilon":0.25', b'"epsilon":0.75'))
+    assert ledger.status("ctx", TOTAL).spent == Budget(0.75, 0.0)
+    path.unlink()
+    assert ledger.status("ctx", TOTAL).spent == Budget(0.0, 0.0)
+    ledger.reserve("ctx", TOTAL, Budget(2.0, 0.0))  # a new file from scratch
+    assert ledger.status("ctx", TOTAL).spent == Budget(2.0, 0.0) and len(_lines(ledger)) == 1
+
+
+def test_an_entry_missing_its_newline_is_counted_once_when_another_writer_ends_it(key, tmp_path):
+    path = tmp_path / "queries.jsonl"
+    reader, writer = QueryLedger(key, path), QueryLedger(key, path)
+    reader.reserve("ctx", TOTAL, Budget(1.0, 0.0))
+    path.write_bytes(path.read_bytes().rstrip(b"\n"))  # a crash between the line and its newline
+    assert reader.status("ctx", TOTAL).spent == Budget(1.0, 0.0)
+    writer.reserve("ctx", TOTAL, Budget(0.5, 0.0))  # writes the missing newline first
+    assert path.read_bytes().count(b"\n") == 2 and len(_lines(reader)) == 2
+    assert reader.status("ctx", TOTAL).spent == Budget(1.5, 0.0) and reader.status("ctx", TOTAL).queries == 2
+    path.write_bytes(path.read_bytes() + b'{"torn')  # a torn write after it: ignored, then cut off
+    assert reader.status("ctx", TOTAL).spent == Budget(1.5, 0.0)
+    reader.reserve("ctx", TOTAL, Budget(0.25, 0.0))
+    assert len(_lines(reader)) == 3 and writer.status("ctx", TOTAL).spent == Budget(1.75, 0.0)
+
+
+def test_threads_sharing_one_ledger_never_overspend(ledger):
+    granted = []
+
+    def worker():
+        for _ in range(10):
+            try:
+                ledger.reserve("shared", Budget(25.0, 0.0), Budget(1.0, 0.0))
+                granted.append(1)
+            except BudgetExhausted:
+                pass
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(granted) == 25 and len(_lines(ledger)) == 25
+    assert ledger.status("shared", Budget(25.0, 0.0)).spent == Budget(25.0, 0.0)

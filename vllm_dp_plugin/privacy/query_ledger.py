@@ -18,9 +18,16 @@ Guarantees:
   carries the label of the key that wrote it; lines written under another key cannot be matched
   to a context, are ignored, and are counted (``foreign``) so a report can say the history is
   incomplete. Corrupt lines raise ``ValueError`` naming the file and line.
-
-Every call re-reads the whole file (it is the source of truth shared with other processes), so
-its cost grows with the number of queries recorded; rotate the file with the key.
+* **Running totals.** The file stays the source of truth shared with other processes, but each
+  ``QueryLedger`` keeps what it has read: per context, the exact (``math.fsum``-rounded) sums of
+  what its reservations spend and their count, and the unsettled reservations; under the lock it
+  parses only the bytes appended since its last read (by any process), and starts over when the
+  file is another one (device and inode), shorter than what it read, or the last line it read is
+  no longer there (replaced or rewritten). Measured (median per reserve, N earlier queries =
+  2N lines, a 2-core box under load): re-reading the whole file took 28-44 ms at N = 400 and
+  1.1-1.9 s at N = 20,000; with running totals it is the fsync, ~4 ms on ext4 at both sizes
+  (0.14 / 0.22 ms on tmpfs). A ledger object's first call still parses the whole file
+  (1.2-1.7 s at N = 20,000, ~35 us a line). The calls block: async callers run them in a thread.
 """
 
 from __future__ import annotations
@@ -29,8 +36,10 @@ import fcntl
 import json
 import math
 import os
+import sys
+import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .accountant import Budget
@@ -110,20 +119,81 @@ class _Entry:
         return (json.dumps(asdict(self), sort_keys=True, separators=(",", ":")) + "\n").encode("utf-8")
 
 
-@dataclass
-class _Account:
-    """What the file says about one context (under this ledger's key)."""
+class _ExactSum:
+    """A sum of floats kept exact (Shewchuk's non-overlapping partials, as ``math.fsum``):
+    ``value`` is the correctly rounded sum of everything added, in any order."""
 
-    reserved: dict[str, _Entry]  # id -> reserve line, in file order
-    settled: dict[str, _Entry]  # id -> settle line
-    foreign: int = 0
-    torn_at: int | None = None  # offset of a torn final line (a crash mid-write), to cut off
-    needs_newline: bool = False  # the final line is a complete entry without its newline
+    __slots__ = ("_partials",)
+
+    def __init__(self) -> None:
+        self._partials: list[float] = []
+
+    def add(self, x: float) -> None:
+        partials, i = self._partials, 0
+        for y in partials:
+            if abs(x) < abs(y):
+                x, y = y, x
+            high = x + y
+            low = y - (high - x)
+            if low:
+                partials[i] = low
+                i += 1
+            x = high
+        partials[i:] = [x]
+
+    @property
+    def value(self) -> float:
+        return math.fsum(self._partials)
+
+
+class _Tally:
+    """One context's running spent budget: the settled amounts of settled reservations plus the
+    full amounts of unsettled ones (exact sums); ``queries`` counts reservations."""
+
+    __slots__ = ("delta", "epsilon", "queries")
+
+    def __init__(self) -> None:
+        self.epsilon, self.delta, self.queries = _ExactSum(), _ExactSum(), 0
+
+    def reserve(self, entry: _Entry) -> None:
+        self.epsilon.add(entry.epsilon)
+        self.delta.add(entry.delta)
+        self.queries += 1
+
+    def settle(self, reserved: _Entry, settled: _Entry) -> None:
+        for total, name in ((self.epsilon, "epsilon"), (self.delta, "delta")):
+            total.add(getattr(settled, name))
+            total.add(-getattr(reserved, name))
 
     @property
     def spent(self) -> Budget:
-        amounts = [self.settled.get(rid, entry) for rid, entry in self.reserved.items()]
-        return Budget(math.fsum(e.epsilon for e in amounts), math.fsum(e.delta for e in amounts))
+        return Budget(self.epsilon.value, self.delta.value)
+
+
+@dataclass
+class _View:
+    """What one ``QueryLedger`` has read of its file (this key's lines), up to ``offset``."""
+
+    identity: tuple[int, int] | None = None  # (st_dev, st_ino) of the file read
+    offset: int = 0  # bytes applied: whole lines, and a final entry still missing its newline
+    last: bytes = b""  # the last line applied, as read (a later read checks it is still there)
+    lines: int = 0  # lines applied (error messages number the file's lines)
+    needs_newline: bool = False  # the last line applied is a complete entry without its newline
+    torn_at: int | None = None  # offset of a torn final line (a crash mid-write), to cut off
+    foreign: int = 0  # lines written under another key
+    open: dict[str, _Entry] = field(default_factory=dict)  # id -> unsettled reserve line
+    settled: set[str] = field(default_factory=set)  # ids of settled reservations
+    tallies: dict[str, _Tally] = field(default_factory=dict)  # context label -> running total
+
+    def advance(self, raw: bytes) -> None:
+        """``raw`` (one line, its newline included when it has one) was applied."""
+        self.offset += len(raw)
+        self.last = raw
+        self.lines += 1
+        self.needs_newline = not raw.endswith(b"\n")
+
+    def tally(self, label: str) -> _Tally:
+        return self.tallies.get(label) or _Tally()
 
 
 class QueryLedger:
@@ -134,6 +204,8 @@ class QueryLedger:
         self._key = key
         self.path = Path(path)
         self._key_label = key.label("query-ledger/key")
+        self._view = _View()
+        self._mutex = threading.Lock()  # the view is shared by this object's threads
 
     def reserve(self, context: str, total: Budget, amount: Budget) -> Reservation:
         """Record that a query on ``context`` (budget ``total``) is about to spend ``amount``.
@@ -146,16 +218,16 @@ class QueryLedger:
         total = _check_total(total)
         amount = _check_amount(amount, "amount")
         label = self._context_label(context)
-        with self._open(write=True) as handle:
-            account = self._read(handle, label)
-            spent = account.spent
+        with self._mutex, self._open(write=True) as handle:
+            view = self._read(handle)
+            spent = view.tally(label).spent
             after = Budget(spent.epsilon + amount.epsilon, spent.delta + amount.delta)
             if _exceeds(after.epsilon, total.epsilon) or _exceeds(after.delta, total.delta):
                 raise BudgetExhausted(context, total, _remaining(total, spent), amount, self.path)
             rid = os.urandom(ID_BYTES).hex()
             entry = _Entry(self._key_label, label, RESERVE, rid, amount.epsilon, amount.delta,
                            total.epsilon, total.delta, time.time())
-            self._append(handle, account, entry)
+            self._append(handle, view, entry)
         return Reservation(context, rid, amount)
 
     def settle(self, reservation: Reservation, actual: Budget) -> BudgetStatus:
@@ -168,16 +240,16 @@ class QueryLedger:
         context = _check_context(reservation.context)
         actual = _check_amount(actual, "actual")
         label = self._context_label(context)
-        with self._open(write=True) as handle:
-            account = self._read(handle, label)
-            reserved = account.reserved.get(reservation.id)
-            if reserved is None:
+        with self._mutex, self._open(write=True) as handle:
+            view = self._read(handle)
+            reserved = view.open.get(reservation.id)
+            if reservation.id in view.settled:
+                raise ValueError(f"reservation {reservation.id!r} of context {context!r} is already settled")
+            if reserved is None or reserved.context != label:
                 raise ValueError(
                     f"reservation {reservation.id!r} of context {context!r} is not in ledger "
                     f"{self.path} under this key"
                 )
-            if reservation.id in account.settled:
-                raise ValueError(f"reservation {reservation.id!r} of context {context!r} is already settled")
             if Budget(reserved.epsilon, reserved.delta) != reservation.amount:
                 raise ValueError(
                     f"reservation {reservation.id!r} claims {reservation.amount} but the ledger "
@@ -190,10 +262,8 @@ class QueryLedger:
                 )
             entry = _Entry(self._key_label, label, SETTLE, reservation.id, actual.epsilon, actual.delta,
                            reserved.total_epsilon, reserved.total_delta, time.time())
-            self._append(handle, account, entry)
-            account.settled[reservation.id] = entry
-        total = Budget(reserved.total_epsilon, reserved.total_delta)
-        return _status(context, total, account)
+            self._append(handle, view, entry)
+            return _status(context, Budget(reserved.total_epsilon, reserved.total_delta), view, label)
 
     def status(self, context: str, total: Budget) -> BudgetStatus:
         """``context``'s budget as recorded, against ``total`` (all zero if the file does not
@@ -201,70 +271,103 @@ class QueryLedger:
         context = _check_context(context)
         total = _check_total(total)
         label = self._context_label(context)
-        if not self.path.exists():
-            return _status(context, total, _Account({}, {}))
-        with self._open(write=False) as handle:
-            account = self._read(handle, label)
-        return _status(context, total, account)
+        with self._mutex:
+            if not self.path.exists():
+                self._view = _View()
+                return _status(context, total, self._view, label)
+            with self._open(write=False) as handle:
+                return _status(context, total, self._read(handle), label)
 
     def _context_label(self, context: str) -> str:
         return self._key.label("query-ledger/context", context)
 
-    def _read(self, handle, label: str) -> _Account:
-        """Parse the whole file; check this key's lines for consistency. A final line without a
-        newline that does not parse is a write torn by a crash: ignored (see ``_append``)."""
-        handle.seek(0)
-        lines = handle.read().split(b"\n")
-        account = _Account({}, {})
-        seen: set[str] = set()
-        offset = 0
-        for number, raw in enumerate(lines, 1):
-            start, offset = offset, offset + len(raw) + 1
-            if not raw.strip():
-                continue
-            last = number == len(lines)  # the last piece of the split has no newline after it
-            try:
-                entry = _parse(raw)
-            except ValueError as exc:
-                if last:
-                    account.torn_at = start
-                    break
-                raise ValueError(f"query ledger {self.path} line {number} is corrupt: {exc}") from None
-            account.needs_newline = last
-            if entry.key != self._key_label:
-                account.foreign += 1
-                continue
-            where = f"query ledger {self.path} line {number}"
-            if entry.kind == RESERVE:
-                if entry.id in seen:
-                    raise ValueError(f"{where} repeats reservation id {entry.id!r}")
-                seen.add(entry.id)
-                if entry.context == label:
-                    account.reserved[entry.id] = entry
-            elif entry.context == label:
-                if entry.id not in account.reserved:
-                    raise ValueError(
-                        f"{where} settles reservation {entry.id!r}, which is not reserved before it"
-                    )
-                if entry.id in account.settled:
-                    raise ValueError(f"{where} settles reservation {entry.id!r} a second time")
-                account.settled[entry.id] = entry
-        return account
+    def _read(self, handle) -> _View:
+        """The view brought up to date with the file (locked): only the bytes appended since the
+        last read are parsed, unless the file is another one, shorter than what was read, or no
+        longer holds the last line read where it was (then all of it, from a fresh view)."""
+        info = os.fstat(handle.fileno())
+        view, identity = self._view, (info.st_dev, info.st_ino)
+        data = None
+        if view.identity == identity and info.st_size >= view.offset:
+            handle.seek(view.offset - len(view.last))
+            data = handle.read()
+            if data.startswith(view.last):
+                data = data[len(view.last):]
+                if view.needs_newline and data:  # another writer ended our unterminated last line
+                    data = data[1:] if data.startswith(b"\n") else None
+                    if data is not None:
+                        view.offset, view.last, view.needs_newline = view.offset + 1, view.last + b"\n", False
+            else:
+                data = None
+        if data is None:
+            view = self._view = _View(identity)
+            handle.seek(0)
+            data = handle.read()
+        self._parse(view, data)
+        return view
 
-    @staticmethod
-    def _append(handle, account: _Account, entry: _Entry) -> None:
-        """Append one line after what ``_read`` parsed into ``account`` and fsync it. A torn tail
-        left by a crash is cut off first so the new line starts on a line of its own; a complete
-        entry merely missing its newline is kept (counting it is the safe side)."""
-        if account.torn_at is not None:
-            handle.truncate(account.torn_at)
+    def _parse(self, view: _View, data: bytes) -> None:
+        """Apply ``data`` (the file from ``view.offset`` on) line by line. A final line without
+        a newline that does not parse is a write torn by a crash: not applied (see ``_append``)."""
+        view.torn_at = None
+        start = 0
+        while start < len(data):
+            end = data.find(b"\n", start)
+            raw = data[start:] if end < 0 else data[start:end + 1]
+            number = view.lines + 1
+            if raw.strip():
+                try:
+                    entry = _parse(raw)
+                except ValueError as exc:
+                    if end < 0:
+                        view.torn_at = view.offset
+                        return
+                    raise ValueError(f"query ledger {self.path} line {number} is corrupt: {exc}") from None
+                self._apply(view, entry, number)
+            elif end < 0:  # trailing blanks without a newline: cut off like a torn line
+                view.torn_at = view.offset
+                return
+            view.advance(raw)
+            start += len(raw)
+
+    def _apply(self, view: _View, entry: _Entry, number: int) -> None:
+        """Add one line to ``view`` after checking it against this key's earlier lines."""
+        if entry.key != self._key_label:
+            view.foreign += 1
+            return
+        where = f"query ledger {self.path} line {number}"
+        label = sys.intern(entry.context)
+        if entry.kind == RESERVE:
+            if entry.id in view.open or entry.id in view.settled:
+                raise ValueError(f"{where} repeats reservation id {entry.id!r}")
+            view.open[entry.id] = entry
+            view.tallies.setdefault(label, _Tally()).reserve(entry)
+            return
+        if entry.id in view.settled:
+            raise ValueError(f"{where} settles reservation {entry.id!r} a second time")
+        reserved = view.open.get(entry.id)
+        if reserved is None or reserved.context != entry.context:
+            raise ValueError(f"{where} settles reservation {entry.id!r}, which is not reserved before it")
+        del view.open[entry.id]
+        view.settled.add(entry.id)
+        view.tallies[label].settle(reserved, entry)
+
+    def _append(self, handle, view: _View, entry: _Entry) -> None:
+        """Append one line after what ``_read`` applied to ``view``, fsync it, then apply it. A
+        torn tail left by a crash is cut off first so the new line starts on a line of its own;
+        a complete entry merely missing its newline is kept (counting it is the safe side)."""
+        if view.torn_at is not None:
+            handle.truncate(view.torn_at)
         handle.seek(0, os.SEEK_END)
-        if account.needs_newline:
-            handle.write(b"\n")
-        handle.write(entry.to_line())
+        line = entry.to_line()
+        handle.write(b"\n" + line if view.needs_newline else line)
         handle.flush()
         os.fsync(handle.fileno())
-        account.torn_at, account.needs_newline = None, False
+        if view.needs_newline:
+            view.offset, view.last, view.needs_newline = view.offset + 1, view.last + b"\n", False
+        self._apply(view, entry, view.lines + 1)
+        view.advance(line)
+        view.torn_at = None
 
     def _open(self, *, write: bool):
         """The ledger file, locked (exclusive to write, shared to read); closing it unlocks."""
@@ -306,9 +409,10 @@ def _parse(raw: bytes) -> _Entry:
     return entry
 
 
-def _status(context: str, total: Budget, account: _Account) -> BudgetStatus:
-    spent = account.spent
-    return BudgetStatus(context, total, spent, _remaining(total, spent), len(account.reserved), account.foreign)
+def _status(context: str, total: Budget, view: _View, label: str) -> BudgetStatus:
+    tally = view.tally(label)
+    spent = tally.spent
+    return BudgetStatus(context, total, spent, _remaining(total, spent), tally.queries, view.foreign)
 
 
 def _remaining(total: Budget, spent: Budget) -> Budget:
