@@ -323,12 +323,12 @@ class _Query:
                 self.tokens.append(step.token)
                 self.text = self.service.tokenizer.decode(self.tokens, skip_special_tokens=True)
                 yield self.text[len(shown):]
-            settled = self.aggregator.spent()
+            settled = self.aggregator.settlement()
         finally:
             self.status = self.service.ledger.settle(self.reservation, settled)
 
     def receipt(self) -> dict:
-        spent = self.aggregator.spent()
+        spent = self.aggregator.settlement()
         return {"context": self.name, "epsilon": spent.epsilon, "delta": spent.delta,
                 "private_tokens": self.aggregator.private_steps, "tokens": len(self.tokens),
                 "requested_epsilon": self.params.worst_case.epsilon, "unit": UNIT,
