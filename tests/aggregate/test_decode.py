@@ -1,7 +1,7 @@
 """Lockstep decoding (``aggregate.decode``) and its torch source: ``TopLogprobs``, the
 ``Aggregator``'s private-step cap, gates and large-epsilon limits, empirical DP audits of one
-step (a hand-built worst-case neighbouring pair, a mutant with half the noise, and a document
-added to a tiny random Llama end to end), ``generate`` over a fake source, and ``TorchSource``
+step (hand-built worst-case neighbouring pairs for expmech and vote, each with a mutant at twice
+the epsilon, and a document added to a tiny random Llama end to end), ``generate`` over a fake source, and ``TorchSource``
 against a plain full forward.
 
 Audits: ``N`` i.i.d. steps under each neighbour (fixed seeds), Clopper-Pearson intervals at
@@ -223,6 +223,50 @@ def test_expmech_audit_worst_case_pair_and_half_noise_mutant(monkeypatch):
     monkeypatch.setattr(decode, "exponential_mechanism", doubled)
     mutant = log_ratio_lower(*audit_worst_case(), N_AUDIT)
     assert mutant > EPS_AUDIT
+
+
+# --- empirical audit: the worst-case neighbouring pair for vote ----------------------------------
+
+VOTE_A, VOTE_B, PRIOR_A = 30, 31, 0.05
+
+
+def vote_pair(seed_d: int, seed_d2: int, eps: float = EPS_AUDIT) -> tuple[int, int]:
+    """How often ``vote`` (k = 2, no gate) picks A in ``N_AUDIT`` steps under D (member 0 votes
+    A, member 1 B) and under D' (member 0's document removed: it votes B too)."""
+    public = tops({VOTE_A: math.log(PRIOR_A), VOTE_B: math.log(1 - PRIOR_A)})
+    a, b = tops({VOTE_A: -0.1, VOTE_B: -3.0}), tops({VOTE_B: -0.1, VOTE_A: -3.0})
+    p = params("vote", members=2, eps_select=eps)
+    return (draw(public, [a, b], p, N_AUDIT, seed_d).get(VOTE_A, 0),
+            draw(public, [b, b], p, N_AUDIT, seed_d2).get(VOTE_A, 0))
+
+
+def test_vote_law_and_audit_worst_case_pair_and_double_eps_mutant(monkeypatch):
+    """``vote`` samples ``P(t) ~ p_pub(t) exp(eps n_t / 2)``. Public prior pi = 0.05 on A. Under D
+    the votes tie (1, 1), so P_D(A) = pi = 0.05 exactly; under D' A has 0 votes and B 2:
+        P_D'(A) = pi / (pi + (1 - pi) e^eps) = 0.0190,   ln ratio = ln(pi + (1 - pi) e^eps) = 0.968
+    (-> eps as pi -> 0: the pair is near worst case for eps = 1). At n = 20000 the CP bounds
+    cost ~0.15 (1000 hits) + ~0.25 (380 hits): honest lower bound ~0.57 <= eps.
+    Mutant: the selection at 2 eps (the public prior unchanged): P_D(A) = 0.05 still, P_D'(A) =
+    pi / (pi + (1 - pi) e^(2 eps)) = 0.00707, ln ratio 1.956; its bounds cost ~0.15 + ~0.45 (141
+    hits), lower bound ~1.35 > eps: caught. The law check catches it too: 0.00707 lies far
+    outside the honest D' interval."""
+    honest_d, honest_d2 = vote_pair(500, 600)
+    p_d, p_d2 = PRIOR_A, PRIOR_A / (PRIOR_A + (1 - PRIOR_A) * math.exp(EPS_AUDIT))
+    assert cp_lower(honest_d, N_AUDIT) <= p_d <= cp_upper(honest_d, N_AUDIT)
+    assert cp_lower(honest_d2, N_AUDIT) <= p_d2 <= cp_upper(honest_d2, N_AUDIT)
+    doubled_d2 = PRIOR_A / (PRIOR_A + (1 - PRIOR_A) * math.exp(2 * EPS_AUDIT))
+    assert not cp_lower(honest_d2, N_AUDIT) <= doubled_d2 <= cp_upper(honest_d2, N_AUDIT)
+    assert 0.5 < log_ratio_lower(honest_d, honest_d2, N_AUDIT) <= EPS_AUDIT
+
+    original = decode.exponential_mechanism
+
+    def double_eps(scores, sensitivity, epsilon, rng, base=None):
+        return original(scores, sensitivity, 2 * epsilon, rng, base)
+
+    monkeypatch.setattr(decode, "exponential_mechanism", double_eps)
+    mutant_d, mutant_d2 = vote_pair(500, 600)
+    assert cp_lower(mutant_d2, N_AUDIT) <= doubled_d2 <= cp_upper(mutant_d2, N_AUDIT)  # it is the 2 eps law
+    assert log_ratio_lower(mutant_d, mutant_d2, N_AUDIT) > EPS_AUDIT
 
 
 # --- empirical audit: a document added on a tiny random Llama, end to end ------------------------

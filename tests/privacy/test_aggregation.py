@@ -1,7 +1,10 @@
 """Per-query DP aggregation math (``privacy.aggregation``): the exponential mechanism's law
 against its exact softmax, the score functions on hand-checked arrays, sensitivities, the
-accountant against closed-form bounds, calibration, and an empirical audit of the sparse vector
-gate with Clopper-Pearson intervals.
+accountant against closed-form upper bounds, exact values computed directly with dp-accounting
+and the exact epsilon of a neighbouring pair vote realizes (a lower bound; an accountant with
+half the rho fails it), calibration against the direct values, and empirical audits of the
+sparse vector gate with Clopper-Pearson intervals (one answer; a whole instance, which catches a
+gate at twice its epsilon).
 
 Statistical checks use fixed seeds, so they are deterministic; the thresholds (p-value 1e-3,
 Clopper-Pearson confidence 1e-6 a side) are the false-alarm rates they would have under fresh
@@ -9,11 +12,15 @@ randomness, and the effects they must see are many interval widths away (derived
 """
 
 import math
+import types
 
 import numpy as np
 import pytest
-from scipy import stats
+from dp_accounting import dp_event
+from dp_accounting.rdp import rdp_privacy_accountant
+from scipy import integrate, optimize, stats
 
+from vllm_dp_plugin.privacy import aggregation
 from vllm_dp_plugin.privacy.accountant import Budget
 from vllm_dp_plugin.privacy.aggregation import (
     AggregationParams,
@@ -153,6 +160,87 @@ def test_spent_is_monotone_and_below_basic_and_zcdp_closed_form(eps_select, eps_
     assert p.worst_case == p.spent(64)
 
 
+def direct_spent(eps_select: float, eps_gate: float, steps: int, open_gate: bool, delta: float) -> Budget:
+    """What a query with ``steps`` private steps (and an open gate instance) spends, computed
+    directly: zCDP composes by adding rho, so one ``ZCDpEvent`` of the query's total rho =
+    steps x eps_select^2 / 8 (bounded range) + gate instances x eps_gate^2 / 2 (pure DP) through
+    dp-accounting's RDP accountant, or basic composition of the pure epsilons where smaller."""
+    gates = (steps + open_gate) if eps_gate > 0 else 0
+    basic = steps * eps_select + gates * eps_gate
+    accountant = rdp_privacy_accountant.RdpAccountant()
+    accountant.compose(dp_event.ZCDpEvent(steps * eps_select ** 2 / 8 + gates * eps_gate ** 2 / 2))
+    rdp = accountant.get_epsilon(delta)
+    return Budget(basic, 0.0) if basic <= rdp else Budget(rdp, delta)
+
+
+@pytest.mark.parametrize("eps_select,eps_gate", GRID)
+@pytest.mark.parametrize("open_gate", [False, True])
+def test_spent_and_worst_case_equal_dp_accounting_on_the_total_rho(eps_select, eps_gate, open_gate):
+    """Exact values (not only upper bounds): an accountant that drops a term (the gate, the open
+    instance) or mis-scales rho differs here. Both branches occur on this grid (basic for few
+    steps, RDP for many)."""
+    delta = 1e-6
+    p = params(eps_select=eps_select, eps_gate=eps_gate, max_private_tokens=64, delta=delta)
+    branches = set()
+    for n in [0, 1, 2, 3, 5, 8, 16, 32, 64]:
+        expected = direct_spent(eps_select, eps_gate, n, open_gate, delta)
+        spent = p.spent(n, open_gate)
+        assert spent.epsilon == pytest.approx(expected.epsilon, rel=1e-12, abs=0)
+        assert spent.delta == expected.delta
+        branches.add(spent.delta)
+    assert branches == {0.0, delta}
+    worst, expected = p.worst_case, direct_spent(eps_select, eps_gate, 64, False, delta)
+    assert worst.epsilon == pytest.approx(expected.epsilon, rel=1e-12, abs=0) and worst.delta == expected.delta
+
+
+def vote_pair_epsilon(eps_select: float, steps: int, delta: float, prior: float) -> float:
+    """The smallest epsilon at ``delta`` of ``steps`` vote steps (k = 2, no gate, candidates A and
+    B, public prior ``prior`` on A) on the neighbours D (votes A, B) and D' (B, B): the law
+    ``test_vote_law_and_audit_worst_case_pair_and_double_eps_mutant`` checks, P_D(A) = prior,
+    P_D'(A) = prior / (prior + (1 - prior) e^eps), so each step's privacy loss ln(P_D/P_D') is
+    l_A = ln(prior + (1 - prior) e^eps) on A and l_A - eps on B (an eps-bounded-range pair). With
+    j of ``steps`` outcomes A, the loss is j l_A + (steps - j)(l_A - eps); delta(x) is the hockey
+    stick E[(1 - e^(x - loss))+] in each direction (j binomial under the law of that direction)."""
+    l_a = math.log(prior + (1 - prior) * math.exp(eps_select))
+    j = np.arange(steps + 1)
+    loss = j * l_a + (steps - j) * (l_a - eps_select)
+    laws = [(stats.binom.pmf(j, steps, prior), loss),
+            (stats.binom.pmf(j, steps, prior / (prior + (1 - prior) * math.exp(eps_select))), -loss)]
+
+    def excess(x: float) -> float:
+        return max(float(np.sum(pmf * -np.expm1(np.minimum(x - l, 0.0)))) for pmf, l in laws) - delta
+
+    return 0.0 if excess(0.0) <= 0 else optimize.brentq(excess, 0.0, steps * eps_select, xtol=1e-12)
+
+
+LOWER_CASES = [(0.5, 1, 1e-6), (1.0, 4, 1e-6), (1.0, 16, 1e-6), (1.0, 64, 1e-6), (0.1, 256, 1e-9),
+               (2.0, 64, 1e-5), (4.0, 16, 1e-6)]
+PRIORS = [*np.geomspace(1e-6, 0.3, 24), 0.5, 0.7, 0.9]
+
+
+def test_spent_is_at_least_what_a_vote_pair_truly_spends(monkeypatch):
+    """Lower bounds (an accountant that under-reports fails): ``spent(n)`` of vote without a gate
+    must be at least the exact epsilon at delta of n steps on a neighbouring pair the mechanism
+    realizes (``vote_pair_epsilon``, the worst prior of a grid). The bound is tight: 0.83-1.0 of
+    the reported figure on these cases, so an accountant reporting 80% fails; the test runs one
+    with rho halved (eps_select^2/16 per step) and sees it fail."""
+    bounds = [max(vote_pair_epsilon(eps, n, delta, prior) for prior in PRIORS) for eps, n, delta in LOWER_CASES]
+
+    def reported() -> list[float]:
+        return [params("vote", eps_select=eps, max_private_tokens=n, delta=delta).spent(n).epsilon
+                for eps, n, delta in LOWER_CASES]
+
+    honest = reported()
+    for case, bound, eps in zip(LOWER_CASES, bounds, honest, strict=True):
+        assert bound <= eps * (1 + 1e-9), case
+        assert bound >= 0.8 * eps, case  # the bound is close: the check has power
+    half_rho = types.SimpleNamespace(ComposedDpEvent=dp_event.ComposedDpEvent,
+                                     SelfComposedDpEvent=dp_event.SelfComposedDpEvent,
+                                     ZCDpEvent=lambda rho: dp_event.ZCDpEvent(rho / 2))
+    monkeypatch.setattr(aggregation, "dp_event", half_rho)
+    assert any(eps < bound for bound, eps in zip(bounds, reported(), strict=True))
+
+
 @pytest.mark.parametrize("mechanism,budget,steps,share", [
     ("vote", Budget(2.0, 1e-6), 8, 0.0),
     ("expmech", Budget(8.0, 1e-5), 64, 0.25),
@@ -163,9 +251,12 @@ def test_calibrated_fits_the_budget_tightly(mechanism, budget, steps, share):
     p = AggregationParams.calibrated(mechanism, 4, budget, steps, share, clip=2.0)
     assert p.mechanism == mechanism and p.members == 4 and p.max_private_tokens == steps
     assert p.delta == budget.delta and p.clip == 2.0
-    worst = p.worst_case.epsilon
-    assert worst <= budget.epsilon
-    assert worst >= budget.epsilon * (1 - 1e-4)
+    # the worst case computed directly (not through the class's own accountant): every private
+    # step taken fits the budget, and the bisection (60 halvings) leaves nothing measurable unused
+    worst = direct_spent(p.eps_select, p.eps_gate, steps, False, budget.delta).epsilon
+    assert worst <= budget.epsilon * (1 + 1e-12)
+    assert worst >= budget.epsilon * (1 - 1e-9)
+    assert p.worst_case.epsilon == pytest.approx(worst, rel=1e-12)
     # gate_share splits one step's epsilon gate : select
     total = p.eps_select + p.eps_gate
     assert p.eps_gate == pytest.approx(share * total, rel=1e-12, abs=0)
@@ -243,21 +334,59 @@ def test_sparse_vector_one_answer_is_eps_dp(q):
     the lower bound of one rate to the upper bound of the other exceeds the true ratio, hence
     e^eps, with probability <= 2e-6. (For one query the true ratio is at most e^(eps/4): the
     shift can be paid by the query noise alone; it approaches that far below the threshold
-    (q = -8: ~0.23 for eps = 1), so the check is loose for an honest gate; the next test shows
-    it still catches noise that is too small.)"""
+    (q = -8: ~0.23 for eps = 1), so this check is loose for an honest gate; the sequence audit
+    below catches a gate at 2 eps.)"""
     eps = 1.0
     yes, no = log_ratio_lower_bounds(q, eps)
     assert yes <= eps
     assert no <= eps
 
 
-def test_sparse_vector_audit_catches_too_little_noise():
-    """Power: a gate built for eps = 8 (noise 8x too small) audited at eps = 1. At q = -1:
-    P(yes | 0) = 1/2 exactly (symmetric noises), P(yes | -1) = P(Lap(1/2) - Lap(1/4) >= 1) =
-    (4/3) e^-2 / 2 - (1/3) e^-4 / 2 = 0.087, so ln ratio = 1.75; the intervals at n = 20000 cost
-    < 0.2 of it, far above 1."""
-    yes, _ = log_ratio_lower_bounds(-1.0, 8.0)
-    assert yes > 1.0
+NO_NO_YES = (-0.5,) * 5 + (0.5,), (0.5,) * 5 + (-0.5,)  # D, D': every query moved by 1
+
+
+def no_then_yes(queries: tuple[float, ...], epsilon: float, seed: int) -> int:
+    """How many of ``N_SVT`` fresh SparseVectors, each asked ``queries`` in turn (as one query's
+    gate is asked at every step), answer no to all but the last and yes to the last."""
+    rng = np.random.default_rng(seed)
+    event = [False] * (len(queries) - 1) + [True]
+    hits = 0
+    for _ in range(N_SVT):
+        gate = SparseVector(THRESHOLD, epsilon, rng)
+        hits += [gate.above(q) for q in queries] == event
+    return hits
+
+
+def no_then_yes_law(queries: tuple[float, ...], epsilon: float) -> float:
+    """Exactly: P(no to all but the last, yes to the last) = E over the noisy threshold
+    T ~ THRESHOLD + Lap(2/eps) of prod_i P(q_i + Lap(4/eps) < T) x P(q_last + Lap(4/eps) >= T)."""
+    *nos, last = queries
+
+    def density(t: float) -> float:
+        no = np.prod([stats.laplace.cdf(t - q, scale=4 / epsilon) for q in nos])
+        return stats.laplace.pdf(t, THRESHOLD, 2 / epsilon) * no * stats.laplace.sf(t - last, scale=4 / epsilon)
+
+    return integrate.quad(density, -50, 50, points=sorted({THRESHOLD, *queries}), limit=200)[0]
+
+
+def test_sparse_vector_audit_catches_noise_at_double_epsilon():
+    """One instance's whole answer sequence (what a query's gate releases until its yes). One
+    answer alone cannot see a factor 2: its ratio is at most e^(eps/4) (the query noise's), e^(eps/2)
+    for a gate at 2 eps. Five no then a yes, with D's five queries at -0.5 and last at +0.5 and D'
+    the reverse (each query moves by 1, as one member's vote can in either direction), pays both
+    halves of the proof's eps (threshold shift, last query shifted by 2). At eps = 2, exactly
+    (``no_then_yes_law``): P_D = 0.0520, P_D' = 0.0092, ln ratio 1.73 <= 2; a gate at 2 eps (noise
+    halved) audited at 2: P_D = 0.1017, P_D' = 0.00355, ln ratio 3.35. At n = 20000 the CP bounds
+    cost ~0.1 (2000 hits) + ~0.65 (71 hits): mutant lower bound ~2.6 > 2, caught; the honest
+    gate's counts lie inside their intervals around the exact law, and its bound stays <= eps."""
+    eps = 2.0
+    d, d2 = NO_NO_YES
+    honest = no_then_yes(d, eps, 3), no_then_yes(d2, eps, 4)
+    for hits, queries in zip(honest, NO_NO_YES, strict=True):
+        assert cp_lower(hits, N_SVT) <= no_then_yes_law(queries, eps) <= cp_upper(hits, N_SVT)
+    assert 1.0 < math.log(cp_lower(honest[0], N_SVT)) - math.log(cp_upper(honest[1], N_SVT)) <= eps
+    mutant = no_then_yes(d, 2 * eps, 3), no_then_yes(d2, 2 * eps, 4)
+    assert math.log(cp_lower(mutant[0], N_SVT)) - math.log(cp_upper(mutant[1], N_SVT)) > eps
 
 
 def test_sparse_vector_restarts_after_a_yes_only():
