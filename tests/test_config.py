@@ -2,6 +2,8 @@
 tests/serving/test_budget_statement.py)."""
 
 import dataclasses
+import hashlib
+import re
 
 import pytest
 import yaml
@@ -129,6 +131,20 @@ def test_account_command_states_prompt_privatization(tmp_path, capsys, prompt, e
     assert "DP is off" not in out and "DP attention" not in out
 
 
+def test_account_of_aggregation_states_the_minimum_and_the_client_shares(tmp_path, capsys):
+    digest = hashlib.sha256(b"sk-alice").hexdigest()
+    path = tmp_path / "dp.yaml"
+    path.write_text(yaml.safe_dump({"dp_privacy": {"key_file": "noise.key", "aggregate": {
+        "contexts": {"docs": "docs.jsonl"}, "min_epsilon": 2.0,
+        "clients": {"alice": {"api_key_sha256": digest, "share": 0.5}}}}}))
+    assert main(["account", "--config", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "requests may ask for 2 to 8); every query is charged at least eps 2" in out
+    assert "at most 100 queries" in out
+    assert "client 'alice': share 0.5 of the budget, (eps=100, delta=5e-05)" in out
+    assert digest not in out and not (tmp_path / "noise.key").exists()  # account never creates a key
+
+
 def test_account_command_bad_config_exits_2(tmp_path, capsys):
     path = tmp_path / "dp.yaml"
     path.write_text(yaml.safe_dump({"dp_privacy": {"attention": {"epsilon": -1, "delta": 1e-6}}}))
@@ -238,6 +254,55 @@ def test_aggregate_defaults_are_the_recommended_settings():
 def test_aggregate_errors_name_the_key(fields, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         _aggregate(**fields)
+
+
+ALICE_KEY, BOB_KEY = "sk-alice-0123", "sk-bob-4567"
+ALICE_SHA = hashlib.sha256(ALICE_KEY.encode()).hexdigest()
+BOB_SHA = hashlib.sha256(BOB_KEY.encode()).hexdigest()
+
+
+def test_aggregate_min_epsilon_defaults_to_an_eighth_of_the_query_and_is_validated():
+    assert _aggregate().min_epsilon == 1.0  # 200 / 1 = 200 queries at most per collection
+    assert _aggregate(epsilon=2.0, total_epsilon=50).min_epsilon == 0.25
+    assert _aggregate(min_epsilon="1e-2").min_epsilon == 0.01  # YAML's 1e-2 is a string
+    assert _aggregate(min_epsilon=8.0).min_epsilon == 8.0  # every query at the default
+    for value, why in ((0, "must be > 0"), (-1.0, "must be > 0"), (float("inf"), "finite"), ("x", "min_epsilon"),
+                       (8.5, "exceeds aggregate.epsilon=8"), (True, "min_epsilon")):
+        with pytest.raises(ConfigError, match="aggregate.min_epsilon") as info:
+            _aggregate(min_epsilon=value)
+        assert why in str(info.value)
+
+
+def test_aggregate_clients_are_parsed_and_a_bearer_key_names_its_client():
+    agg = _aggregate(clients={"alice": {"api_key_sha256": ALICE_SHA.upper(), "share": 0.25},
+                              "bob": {"api_key_sha256": BOB_SHA, "share": 1}})
+    assert list(agg.clients) == ["alice", "bob"]
+    alice = agg.clients["alice"]
+    assert (alice.name, alice.api_key_sha256, alice.share) == ("alice", ALICE_SHA, 0.25)
+    assert alice.quota.client == "alice" and alice.quota.share == 0.25
+    assert agg.client_for_key(ALICE_KEY) is alice and agg.client_for_key(BOB_KEY) is agg.clients["bob"]
+    assert agg.client_for_key("sk-mallory") is None and agg.client_for_key(ALICE_SHA) is None
+    assert _aggregate().clients == {} and _aggregate().client_for_key(ALICE_KEY) is None
+
+
+@pytest.mark.parametrize(("clients", "why"), [
+    (["alice"], "non-empty mapping"),
+    ({}, "non-empty mapping"),
+    ({"a b": {"api_key_sha256": ALICE_SHA, "share": 0.5}}, "client name 'a b'"),
+    ({"alice": {"api_key_sha256": ALICE_SHA}}, "aggregate.clients.alice must be a mapping with exactly"),
+    ({"alice": {"api_key_sha256": ALICE_SHA, "share": 0.5, "key": ALICE_KEY}}, "exactly the keys"),
+    ({"alice": {"api_key_sha256": ALICE_KEY, "share": 0.5}}, r"aggregate.clients.alice.api_key_sha256 must be the 64"),
+    ({"alice": {"api_key_sha256": ALICE_SHA, "share": 0}}, r"aggregate.clients.alice.share must lie in \(0, 1\]"),
+    ({"alice": {"api_key_sha256": ALICE_SHA, "share": 1.5}}, r"alice.share must lie in \(0, 1\]"),
+    ({"alice": {"api_key_sha256": ALICE_SHA, "share": True}}, r"alice.share must lie in \(0, 1\]"),
+    ({"alice": {"api_key_sha256": ALICE_SHA, "share": 0.001}}, "cannot pay for one query of aggregate.min_epsilon=1"),
+    ({"alice": {"api_key_sha256": ALICE_SHA, "share": 0.5}, "bob": {"api_key_sha256": ALICE_SHA, "share": 0.5}},
+     "aggregate.clients.bob.api_key_sha256 is another client's too"),
+])
+def test_aggregate_clients_errors_name_the_key(clients, why):
+    with pytest.raises(ConfigError, match="aggregate.clients") as info:
+        _aggregate(clients=clients)
+    assert re.search(why, str(info.value)), str(info.value)
 
 
 def test_aggregate_excludes_attention_and_prompt():

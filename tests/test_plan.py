@@ -133,6 +133,56 @@ def test_aggregate_report_states_the_calibrated_query_and_the_ledger(tmp_path):
     assert "one document" in text and "spent so far: (eps=1.5" in text
 
 
+def test_a_request_below_the_minimum_epsilon_is_refused_naming_it():
+    from vllm_dp_plugin.plan import aggregation_params
+
+    agg = DPPrivacyConfig.from_dict({"aggregate": {"contexts": {"docs": "d.jsonl"}, "epsilon": 4.0,
+                                                   "min_epsilon": 0.5}}).aggregate
+    for eps in (0.4999, 1e-9, 1e-300, 0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match=r"dp_epsilon must lie in \[0.5, 4\] \(aggregate.min_epsilon, "
+                                             r"aggregate.max_epsilon\)"):
+            aggregation_params(agg, eps)
+    assert aggregation_params(agg, 0.5).worst_case.epsilon == pytest.approx(0.5, rel=1e-4)
+    assert aggregation_params(agg, 0.5).min_charge == 0.5
+
+
+def test_aggregate_statement_states_the_minimum_and_each_clients_share_never_its_key(tmp_path):
+    import hashlib
+    import json
+
+    from vllm_dp_plugin.privacy.accountant import Budget
+    from vllm_dp_plugin.privacy.keyed_noise import NoiseKey
+    from vllm_dp_plugin.privacy.query_ledger import QueryLedger
+    from vllm_dp_plugin.reports import aggregate_statement, aggregate_text
+
+    digests = {name: hashlib.sha256(f"sk-{name}".encode()).hexdigest() for name in ("alice", "bob")}
+    agg = DPPrivacyConfig.from_dict({"aggregate": {
+        "contexts": {"docs": "d.jsonl", "wiki": "w.jsonl"}, "epsilon": 4.0, "total_epsilon": 100.0,
+        "clients": {"alice": {"api_key_sha256": digests["alice"], "share": 0.25},
+                    "bob": {"api_key_sha256": digests["bob"], "share": 1.0}}}}).aggregate
+    (report, _) = aggregate_statement(agg, None)["contexts"]
+    assert report["per_query"]["min_epsilon"] == 0.5 and report["max_queries"] == 200
+    assert report["clients"] == {"alice": {"share": 0.25, "budget": {"epsilon": 25.0, "delta": 2.5e-5}},
+                                 "bob": {"share": 1.0, "budget": {"epsilon": 100.0, "delta": 1e-4}}}
+    ledger = QueryLedger(NoiseKey(tmp_path / "k"), tmp_path / "q.jsonl")
+    total = Budget(100.0, 1e-4)
+    alice = agg.client_for_key("sk-alice")
+    ledger.settle(ledger.reserve("docs", total, Budget(4.0, 0.0), alice.quota), Budget(1.5, 0.0))
+    statement = aggregate_statement(agg, ledger)
+    docs, wiki = statement["contexts"]
+    assert docs["clients"]["alice"]["ledger"]["spent"] == {"epsilon": 1.5, "delta": 0.0}
+    assert docs["clients"]["alice"]["ledger"]["remaining"] == {"epsilon": 23.5, "delta": 2.5e-5}
+    assert docs["clients"]["bob"]["ledger"]["queries"] == 0 and docs["ledger"]["queries"] == 1
+    assert wiki["clients"]["alice"]["ledger"]["queries"] == 0
+    dumped = json.dumps(statement)
+    assert not any(d in dumped or d.upper() in dumped for d in digests.values()) and "sk-" not in dumped
+    text = aggregate_text(docs)
+    assert "requests may ask for 0.5 to 4" in text and "charged at least eps 0.5" in text
+    assert "at most 200 queries" in text
+    assert "client 'alice': share 0.25 of the budget, (eps=25, delta=2.5e-05); spent (eps=1.5" in text
+    assert "client 'bob': share 1 of the budget" in text
+
+
 # ----------------------------------------------------------------------------- the public gate
 def test_relative_error_bound_is_kernel_error_plus_noise_over_the_smallest_denominator():
     plan = _plan(bounds=BOUNDS)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
+import hmac
 import json
 import math
 import re
@@ -19,6 +21,7 @@ from typing import Any
 from .attention.params import FEATURES, STATE_MECHANISMS
 from .privacy.accountant import COMPOSITIONS
 from .privacy.aggregation import AGGREGATION_MECHANISMS, GATES
+from .privacy.query_ledger import Quota
 from .privacy.validation import check_count, check_delta, check_epsilon, check_positive
 from .prompt.options import PROMPT_MECHANISMS
 from .prompt.paraphrase import (
@@ -229,10 +232,10 @@ def _check_contexts(contexts: Any) -> None:
             raise ConfigError(f"attention.contexts.{name} must be a file path, got {path!r}")
 
 
-def _check_context_name(name: Any, where: str = "attention.contexts") -> None:
+def _check_context_name(name: Any, where: str = "attention.contexts", what: str = "context") -> None:
     if not isinstance(name, str) or not CONTEXT_NAME.fullmatch(name):
         raise ConfigError(
-            f"{where}: context name {name!r} must match {CONTEXT_NAME.pattern} "
+            f"{where}: {what} name {name!r} must match {CONTEXT_NAME.pattern} "
             "(names are public: /v1/dp/budget lists them)"
         )
 
@@ -261,12 +264,21 @@ class AggregatePrivacyConfig:
     ``max_private_tokens`` private tokens a query; later tokens are the public sequence's, free;
     ``confidence`` < 1 also emits the public token, free, wherever the public sequence's own top
     token has at least that probability (a public rule).
-    ``epsilon``/``delta``: a query's budget (``vllm_xargs.dp_epsilon`` may ask for another, up to
-    ``max_epsilon``); ``total_epsilon``/``total_delta``: a context's budget over all queries (basic
-    composition); a query that does not fit gets HTTP 429. ``max_tokens``: the cap on a response's
-    length. ``clip``: expmech's clipping bound C (nats). ``candidates``: the public sequence's top
-    tokens a private step chooses among (default: the whole vocabulary for ``vote``, 64 for
-    ``expmech``, whose members then return as many log-probabilities).
+    ``epsilon``/``delta``: a query's budget (``vllm_xargs.dp_epsilon`` may ask for another, from
+    ``min_epsilon`` up to ``max_epsilon``); ``total_epsilon``/``total_delta``: a context's budget over
+    all queries (basic composition); a query that does not fit gets HTTP 429. ``min_epsilon``
+    (default ``epsilon / 8``: 1 at the defaults, the gate's charge of one private token of a
+    default query) is also the least any query is charged, whatever it spent, so a collection's
+    total pays for at most ``total_epsilon / min_epsilon`` queries (200 at the defaults): a probe
+    of a side channel is never nearly free. ``clients``: per-credential quotas, a mapping name ->
+    ``{api_key_sha256: <hex SHA-256 of the client's bearer key>, share: <fraction in (0, 1]>}``;
+    each reservation must then fit both the collection's total and the client's ``share`` of it
+    (shares need not sum to 1; the total still caps them all). Client names are public
+    (``/v1/dp/budget`` states each share), keys are never configured, only their hashes.
+    ``max_tokens``: the cap on a response's length. ``clip``: expmech's clipping bound C (nats).
+    ``candidates``: the public sequence's top tokens a private step chooses among (default: the
+    whole vocabulary for ``vote``, 64 for ``expmech``, whose members then return as many
+    log-probabilities).
     """
 
     contexts: dict[str, str] | str
@@ -275,6 +287,7 @@ class AggregatePrivacyConfig:
     epsilon: float = 8.0
     delta: float = 1e-6
     max_epsilon: float | None = None
+    min_epsilon: float | None = None
     total_epsilon: float = 200.0
     total_delta: float = 1e-4
     max_private_tokens: int = 4
@@ -288,6 +301,7 @@ class AggregatePrivacyConfig:
     max_member_tokens: int | None = None
     max_tokens: int = 256
     budget_file: str | None = None
+    clients: dict[str, AggregateClient] | None = None
 
     def __post_init__(self) -> None:
         _choice(self.mechanism, AGGREGATION_MECHANISMS, "aggregate.mechanism")
@@ -315,6 +329,12 @@ class AggregatePrivacyConfig:
                               f"epsilon {self.cap:g}")
         if self.delta > self.total_delta:
             raise ConfigError(f"aggregate.total_delta={self.total_delta:g} is below one query's delta {self.delta:g}")
+        if self.min_epsilon is None:
+            object.__setattr__(self, "min_epsilon", self.epsilon * DEFAULT_MIN_EPSILON_FRACTION)
+        _check_field(self, "min_epsilon", check_epsilon, "aggregate.min_epsilon")
+        if self.min_epsilon > self.epsilon:
+            raise ConfigError(f"aggregate.min_epsilon={self.min_epsilon:g} exceeds aggregate.epsilon={self.epsilon:g}")
+        object.__setattr__(self, "clients", _aggregate_clients(self.clients, self.total_epsilon, self.min_epsilon))
         for name in ("gate_share", "threshold"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
@@ -338,6 +358,16 @@ class AggregatePrivacyConfig:
     def cap(self) -> float:
         """The largest per-query epsilon a request may ask for."""
         return self.epsilon if self.max_epsilon is None else self.max_epsilon
+
+    def client_for_key(self, api_key: str) -> AggregateClient | None:
+        """The configured client whose ``api_key_sha256`` is the SHA-256 of ``api_key`` (a
+        request's bearer key), or None (compared in constant time)."""
+        digest = hashlib.sha256(api_key.encode("utf-8")).hexdigest()
+        found = None
+        for client in self.clients.values():
+            if hmac.compare_digest(client.api_key_sha256, digest):
+                found = client
+        return found
 
     @property
     def choices(self) -> int | None:
@@ -364,6 +394,51 @@ class AggregatePrivacyConfig:
 
 
 EXPMECH_CANDIDATES = 64  # expmech's default: every member returns this many log-probabilities a step
+DEFAULT_MIN_EPSILON_FRACTION = 1 / 8  # aggregate.min_epsilon's default, of aggregate.epsilon
+CLIENT_KEYS = ("api_key_sha256", "share")
+SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+
+
+@dataclass(frozen=True)
+class AggregateClient:
+    """One client of DP aggregation (``aggregate.clients.<name>``): the hex SHA-256 of its bearer
+    key and its ``share`` of every collection's total (its ``quota`` in the query ledger)."""
+
+    name: str
+    api_key_sha256: str
+    share: float
+
+    @property
+    def quota(self) -> Quota:
+        return Quota(self.name, self.share)
+
+
+def _aggregate_clients(raw: Any, total_epsilon: float, min_epsilon: float) -> dict[str, AggregateClient]:
+    """``aggregate.clients`` validated (ConfigError naming the key): name -> client, in order."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict) or not raw:
+        raise ConfigError("aggregate.clients must be a non-empty mapping name -> {api_key_sha256, share}")
+    clients: dict[str, AggregateClient] = {}
+    for name, fields in raw.items():
+        where = f"aggregate.clients.{name}"
+        _check_context_name(name, "aggregate.clients", "client")
+        if not isinstance(fields, dict) or set(fields) != set(CLIENT_KEYS):
+            raise ConfigError(f"{where} must be a mapping with exactly the keys {list(CLIENT_KEYS)}, got {fields!r}")
+        digest, share = fields["api_key_sha256"], fields["share"]
+        if not isinstance(digest, str) or not SHA256_HEX.fullmatch(digest.lower()):
+            raise ConfigError(f"{where}.api_key_sha256 must be the 64 hex digits of the SHA-256 of the client's "
+                              "bearer key (e.g. `printf %s KEY | sha256sum`)")
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 < share <= 1.0:
+            raise ConfigError(f"{where}.share must lie in (0, 1] (a fraction of each collection's total), "
+                              f"got {share!r}")
+        if share * total_epsilon < min_epsilon:
+            raise ConfigError(f"{where}.share={share:g} of aggregate.total_epsilon={total_epsilon:g} cannot pay for "
+                              f"one query of aggregate.min_epsilon={min_epsilon:g}")
+        if any(c.api_key_sha256 == digest.lower() for c in clients.values()):
+            raise ConfigError(f"{where}.api_key_sha256 is another client's too: a key must name one client")
+        clients[name] = AggregateClient(name, digest.lower(), float(share))
+    return clients
 PROMPT_MODES = ("tokens", "embeddings")
 FAST_DTYPES = ("float32", "bfloat16")
 SEARCH_DEVICES = ("auto", "cpu", "cuda")

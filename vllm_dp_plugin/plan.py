@@ -38,7 +38,7 @@ from .privacy.accountant import Budget
 from .privacy.aggregation import UNIT as AGGREGATION_UNIT
 from .privacy.aggregation import AggregationParams
 from .privacy.mechanisms import Mechanism
-from .privacy.query_ledger import BudgetStatus
+from .privacy.query_ledger import REL_TOLERANCE, BudgetStatus
 
 MAX_DEGREE = 64
 MAX_PLANS = 64  # ContextPlan.of's cache (serving: one per context, kind and softmax scale)
@@ -475,27 +475,33 @@ AGGREGATE_NOT_PROTECTED = (
 
 
 def aggregation_params(cfg: AggregatePrivacyConfig, epsilon: float | None = None) -> AggregationParams:
-    """One query's mechanism at per-query ``epsilon`` (default ``cfg.epsilon``; at most
-    ``cfg.cap``): per-step epsilons calibrated so that its worst case fits (eps, ``cfg.delta``)."""
+    """One query's mechanism at per-query ``epsilon`` (default ``cfg.epsilon``; from
+    ``cfg.min_epsilon`` to ``cfg.cap``): per-step epsilons calibrated so that its worst case fits
+    (eps, ``cfg.delta``), charged at least ``cfg.min_epsilon``. The one check of a request's
+    ``dp_epsilon`` (ValueError naming it and the bounds)."""
     eps = cfg.epsilon if epsilon is None else float(epsilon)
-    if not 0.0 < eps <= cfg.cap:
-        raise ValueError(f"dp_epsilon must lie in (0, {cfg.cap:g}] (aggregate.max_epsilon), got {eps:g}")
+    if not cfg.min_epsilon <= eps <= cfg.cap:
+        raise ValueError(f"dp_epsilon must lie in [{cfg.min_epsilon:g}, {cfg.cap:g}] (aggregate.min_epsilon, "
+                         f"aggregate.max_epsilon), got {eps:g}")
     return _aggregation_params(cfg.mechanism, cfg.members, eps, cfg.delta, cfg.max_private_tokens,
-                               cfg.gate_fraction, cfg.clip, cfg.threshold, cfg.choices, cfg.confidence)
+                               cfg.gate_fraction, cfg.clip, cfg.threshold, cfg.choices, cfg.confidence,
+                               cfg.min_epsilon)
 
 
 @functools.lru_cache(maxsize=256)
 def _aggregation_params(mechanism, members, eps, delta, max_private, gate_share, clip, threshold,
-                        candidates, confidence) -> AggregationParams:
+                        candidates, confidence, min_charge) -> AggregationParams:
     return AggregationParams.calibrated(mechanism, members, Budget(eps, delta), max_private, gate_share,
-                                        clip=clip, threshold=threshold,
-                                        candidates=candidates, confidence=confidence)
+                                        clip=clip, threshold=threshold, candidates=candidates,
+                                        confidence=confidence, min_charge=min_charge)
 
 
-def aggregate_report(cfg: AggregatePrivacyConfig, name: str, ledger: BudgetStatus | None) -> dict[str, Any]:
+def aggregate_report(cfg: AggregatePrivacyConfig, name: str, ledger: BudgetStatus | None,
+                     clients: Mapping[str, BudgetStatus] | None = None) -> dict[str, Any]:
     """JSON-ready statement of one document collection served by DP aggregation: the unit, the
-    default query's mechanism and worst case, the context's total budget, and (``ledger``) what
-    the queries so far spent."""
+    default query's mechanism and worst case, the least a query is charged and how many queries
+    the total pays for at most, the context's total budget, each client's share of it (never its
+    key), and what the queries so far spent (``ledger``; per client: ``clients``, name -> status)."""
     params = aggregation_params(cfg)
     report = {
         "name": name,
@@ -505,7 +511,9 @@ def aggregate_report(cfg: AggregatePrivacyConfig, name: str, ledger: BudgetStatu
         "members": params.members,
         "gate": cfg.gate,
         "per_query": {"epsilon": cfg.epsilon, "delta": cfg.delta, "max_epsilon": cfg.cap,
+                      "min_epsilon": cfg.min_epsilon,
                       "worst_case": {"epsilon": params.worst_case.epsilon, "delta": params.worst_case.delta}},
+        "max_queries": max_queries(cfg),
         "per_private_token": {"eps_select": params.eps_select, "eps_gate": params.eps_gate},
         "max_private_tokens": params.max_private_tokens,
         "candidates": "the whole vocabulary" if params.candidates is None else params.candidates,
@@ -514,6 +522,19 @@ def aggregate_report(cfg: AggregatePrivacyConfig, name: str, ledger: BudgetStatu
         "not_protected": AGGREGATE_NOT_PROTECTED,
         "statement": params.statement(),
     }
+    if cfg.clients:
+        report["clients"] = {
+            c.name: {"share": c.share, "budget": {"epsilon": cfg.total_epsilon * c.share,
+                                                  "delta": cfg.total_delta * c.share}}
+            for c in cfg.clients.values()}
+        for client, status in (clients or {}).items():
+            report["clients"][client]["ledger"] = status.to_json()
     if ledger is not None:
         report["ledger"] = ledger.to_json()
     return report
+
+
+def max_queries(cfg: AggregatePrivacyConfig) -> int:
+    """The most queries a collection's total pays for: each is charged at least ``min_epsilon``
+    (up to the ledger's relative tolerance, and a calibration a hair below it)."""
+    return math.floor(cfg.total_epsilon / cfg.min_epsilon * (1 + 2 * REL_TOLERANCE))

@@ -51,15 +51,21 @@ def stored_query_ledger(config: DPPrivacyConfig):
 
 def aggregate_statement(agg: AggregatePrivacyConfig, ledger) -> dict:
     """The statement of DP aggregation (``dp_privacy.aggregate``): one ``plan.aggregate_report``
-    per collection, with what its queries spent so far when ``ledger`` (a ``QueryLedger``) is
-    given. ``GET /v1/dp/budget`` answers it; ``vllm-dp account`` prints it."""
+    per collection (the least a query is charged, each client's share), with what its queries
+    spent so far, in all and per client, when ``ledger`` (a ``QueryLedger``) is given.
+    ``GET /v1/dp/budget`` answers it; ``vllm-dp account`` prints it."""
     from .plan import aggregate_report
     from .privacy.accountant import Budget
 
     total = Budget(agg.total_epsilon, agg.total_delta)
-    return {"enabled": True, "mode": "aggregate",
-            "contexts": [aggregate_report(agg, name, None if ledger is None else ledger.status(name, total))
-                         for name in agg.collection_sources()],
+
+    def report(name: str) -> dict:
+        if ledger is None:
+            return aggregate_report(agg, name, None)
+        clients = {c.name: ledger.status(name, total, c.quota) for c in agg.clients.values()}
+        return aggregate_report(agg, name, ledger.status(name, total), clients)
+
+    return {"enabled": True, "mode": "aggregate", "contexts": [report(name) for name in agg.collection_sources()],
             "scope": AGGREGATE_SCOPE}
 
 
@@ -176,18 +182,26 @@ def aggregate_text(report: dict) -> str:
         f"gate {report['gate']})"),
         f"  unit of privacy: {report['unit']}",
         (f"  per query: at most {_budget(per['worst_case'])} at the default eps {per['epsilon']:g} "
-         f"(requests may ask for up to {per['max_epsilon']:g})"),
+         f"(requests may ask for {per['min_epsilon']:g} to {per['max_epsilon']:g}); every query is charged at "
+         f"least eps {per['min_epsilon']:g}: the collection's budget pays for at most {report['max_queries']} queries"),
         (f"  per private token: eps_select={tok['eps_select']:.4g}, eps_gate={tok['eps_gate']:.4g}; at most "
          f"{report['max_private_tokens']} private tokens a query (later tokens are public, free)"),
         f"  composition: {report['composition']}",
         f"  budget of the collection: {_budget(report['budget'])}",
         f"  not protected: {report['not_protected']}",
     ]
+    for name, client in report.get("clients", {}).items():
+        line = f"  client {name!r}: share {client['share']:g} of the budget, {_budget(client['budget'])}"
+        if "ledger" in client:
+            line += f"; spent {_spent(client['ledger'])}"
+        lines.append(line)
     if "ledger" in report:
-        led = report["ledger"]
-        lines.append(f"  spent so far: {_budget(led['spent'])} by {led['queries']} queries; remaining "
-                     f"{_budget(led['remaining'])}")
+        lines.append(f"  spent so far: {_spent(report['ledger'])}")
     return "\n".join(lines)
+
+
+def _spent(ledger: dict) -> str:
+    return f"{_budget(ledger['spent'])} by {ledger['queries']} queries; remaining {_budget(ledger['remaining'])}"
 
 
 def _per_document(statement: dict | str) -> str:

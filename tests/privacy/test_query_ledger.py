@@ -19,6 +19,7 @@ from vllm_dp_plugin.privacy.query_ledger import (
     BudgetExhausted,
     BudgetStatus,
     QueryLedger,
+    Quota,
     Reservation,
 )
 
@@ -354,3 +355,69 @@ def test_threads_sharing_one_ledger_never_overspend(ledger):
         thread.join()
     assert len(granted) == 25 and len(_lines(ledger)) == 25
     assert ledger.status("shared", Budget(25.0, 0.0)).spent == Budget(25.0, 0.0)
+
+
+# --- client quotas (issue 31, item 5) -------------------------------------------------------------
+ALICE, BOB = Quota("alice", 0.25), Quota("bob", 1.0)
+
+
+def _approx(budget: Budget):
+    return Budget(pytest.approx(budget.epsilon, rel=1e-12, abs=0), pytest.approx(budget.delta, rel=1e-12, abs=0))
+
+
+def test_a_client_spends_at_most_its_share_and_the_context_caps_every_client(ledger, key):
+    first = ledger.reserve("ctx", TOTAL, Budget(0.5, 1e-6), ALICE)
+    assert first.quota == ALICE
+    with pytest.raises(BudgetExhausted, match="client 'alice' \\(share 0.25\\) on context 'ctx'") as info:
+        ledger.reserve("ctx", TOTAL, Budget(0.5, 0.0), ALICE)  # 1.0 > 0.25 x 3
+    assert info.value.quota == ALICE and info.value.total == Budget(0.75, 2.5e-6)
+    assert info.value.remaining == _approx(Budget(0.25, 1.5e-6))
+    assert len(_lines(ledger)) == 1  # nothing written
+    second = ledger.reserve("ctx", TOTAL, Budget(0.25, 0.0), ALICE)  # exactly its share
+    assert ledger.status("ctx", TOTAL, ALICE).remaining == _approx(Budget(0.0, 1.5e-6))
+    # bob's share is the whole total, but alice's spending counts against the context's
+    ledger.reserve("ctx", TOTAL, Budget(2.0, 0.0), BOB)
+    with pytest.raises(BudgetExhausted, match="context 'ctx' exhausted") as info:
+        ledger.reserve("ctx", TOTAL, Budget(0.5, 0.0), BOB)
+    assert info.value.quota is None and info.value.remaining == _approx(Budget(0.25, 9e-6))
+    assert ledger.status("ctx", TOTAL, BOB).remaining == _approx(Budget(0.25, 9e-6))  # the context's, smaller
+    # settling gives the client its difference back, and returns its status
+    status = ledger.settle(first, Budget(0.125, 0.0))
+    assert status.client == "alice" and status.total == Budget(0.75, 2.5e-6)
+    assert status.spent == Budget(0.375, 0.0) and status.queries == 2
+    assert status.remaining == _approx(Budget(0.375, 2.5e-6))
+    assert status.to_json()["client"] == "alice"
+    whole = ledger.status("ctx", TOTAL)
+    assert whole.spent == Budget(2.375, 0.0) and whole.queries == 3 and whole.client is None
+    assert "client" not in whole.to_json()
+    assert ledger.status("other", TOTAL, ALICE).spent == Budget(0.0, 0.0)  # per context
+    # the file names clients by keyed label only; another ledger object reads the same totals
+    text = ledger.path.read_text()
+    assert "alice" not in text and "bob" not in text
+    assert {line["client"] for line in _lines(ledger)} == {key.label("query-ledger/client", "alice"),
+                                                          key.label("query-ledger/client", "bob")}
+    fresh = QueryLedger(key, ledger.path)
+    assert fresh.status("ctx", TOTAL, ALICE) == ledger.status("ctx", TOTAL, ALICE)
+    # a reservation is settled under the client it was made for
+    with pytest.raises(ValueError, match="not in ledger"):
+        ledger.settle(Reservation("ctx", second.id, second.amount, BOB), Budget(0.1, 0.0))
+    with pytest.raises(ValueError, match="not in ledger"):
+        ledger.settle(Reservation("ctx", second.id, second.amount), Budget(0.1, 0.0))
+
+
+def test_lines_written_before_quotas_still_count(ledger):
+    reservation = ledger.reserve("ctx", TOTAL, Budget(1.0, 0.0))
+    lines = _lines(ledger)
+    del lines[0]["client"]  # a ledger written before client quotas
+    ledger.path.write_text(json.dumps(lines[0]) + "\n")
+    fresh = QueryLedger(NoiseKey(ledger.path.parent.parent / "noise.key"), ledger.path)
+    assert fresh.status("ctx", TOTAL).spent == Budget(1.0, 0.0)
+    assert fresh.settle(reservation, Budget(0.5, 0.0)).spent == Budget(0.5, 0.0)
+
+
+def test_quotas_are_validated():
+    for share in (0, 1.5, True, "1"):
+        with pytest.raises(ValueError, match="share must lie in"):
+            Quota("alice", share)
+    with pytest.raises(ValueError, match="non-empty string"):
+        Quota("", 0.5)

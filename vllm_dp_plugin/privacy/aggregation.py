@@ -111,7 +111,9 @@ class AggregationParams:
     ``max_private_tokens`` private steps, statement at ``delta``. ``clip``: expmech's C;
     ``confidence``: the free public gate (1: off);
     ``threshold``: the SVT threshold, a fraction of the members; ``candidates``: how many of the
-    public sequence's top tokens the mechanism chooses among (None: all it lists)."""
+    public sequence's top tokens the mechanism chooses among (None: all it lists);
+    ``min_charge``: the least epsilon a query settles, whatever it spent (a public minimum that
+    bounds how many queries a total pays for; never above the worst case)."""
 
     mechanism: str
     members: int
@@ -123,6 +125,7 @@ class AggregationParams:
     confidence: float = 1.0
     threshold: float = 0.5
     candidates: int | None = None
+    min_charge: float = 0.0
 
     def __post_init__(self) -> None:
         if self.mechanism not in AGGREGATION_MECHANISMS:
@@ -135,6 +138,8 @@ class AggregationParams:
         if self.eps_gate != 0:
             check_epsilon(self.eps_gate, "eps_gate")
         check_delta(self.delta, "delta")
+        if self.min_charge != 0:
+            check_epsilon(self.min_charge, "min_charge")
         check_positive(self.clip, "clip")
         if not 0.0 < self.confidence <= 1.0:
             raise ValueError(f"confidence must lie in (0, 1], got {self.confidence!r}")
@@ -190,8 +195,9 @@ class AggregationParams:
         """What a query that made ``private_steps`` private steps and left a gate instance open
         (``open_gate``) settles in the ledger, having reserved ``worst_case``: at most the
         reservation in epsilon and in delta, by construction. Where the worst case is the pure
-        statement (delta 0), the pure basic epsilon of the steps taken, delta 0; where it is the
-        RDP statement, the worst case itself (see the module's Accounting). Raises
+        statement (delta 0), the pure basic epsilon of the steps taken (at least ``min_charge``,
+        at most the worst case), delta 0; where it is the RDP statement, the worst case itself
+        (see the module's Accounting). Raises
         ``ValueError`` for a state no query reaches (more steps than the cap, or a gate left open
         at the cap: the gate is not asked there)."""
         room = self.max_private_tokens - (1 if open_gate and self.gated else 0)
@@ -201,7 +207,7 @@ class AggregationParams:
         worst = self.worst_case
         if worst.delta > 0.0:
             return worst
-        return Budget(self._basic(private_steps, open_gate), 0.0)
+        return Budget(min(worst.epsilon, max(self.min_charge, self._basic(private_steps, open_gate))), 0.0)
 
     @classmethod
     def calibrated(cls, mechanism: str, members: int, budget: Budget, max_private_tokens: int,
@@ -226,8 +232,9 @@ class AggregationParams:
 
     def statement(self) -> str:
         per = f"eps_select={self.eps_select:.4g}" + (f", eps_gate={self.eps_gate:.4g}" if self.gated else "")
+        least = f" (charged at least eps={self.min_charge:.4g})" if self.min_charge else ""
         return (f"{self.mechanism} over {self.members} members ({per} per private token, at most "
-                f"{self.max_private_tokens} private tokens): at most {self.worst_case} per query; "
+                f"{self.max_private_tokens} private tokens): at most {self.worst_case} per query{least}; "
                 f"unit: {UNIT}")
 
 

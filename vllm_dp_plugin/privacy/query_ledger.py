@@ -18,6 +18,9 @@ Guarantees:
   carries the label of the key that wrote it; lines written under another key cannot be matched
   to a context, are ignored, and are counted (``foreign``) so a report can say the history is
   incomplete. Corrupt lines raise ``ValueError`` naming the file and line.
+* **Client quotas.** A reservation may name a ``Quota`` (a client and its share of every
+  context's total): it must then fit the context's total and the client's share of it; the
+  client appears only as a keyed label, like the context.
 * **Running totals.** The file stays the source of truth shared with other processes, but each
   ``QueryLedger`` keeps what it has read: per context, the exact (``math.fsum``-rounded) sums of
   what its reservations spend and their count, and the unsettled reservations; under the lock it
@@ -53,16 +56,38 @@ SETTLE = "settle"
 _KINDS = (RESERVE, SETTLE)
 
 
-class BudgetExhausted(RuntimeError):
-    """A reservation would take a context past its total; nothing was recorded."""
+@dataclass(frozen=True)
+class Quota:
+    """A client's part of every context's budget: ``share`` (in (0, 1]) of its total."""
 
-    def __init__(self, context: str, total: Budget, remaining: Budget, requested: Budget, path: Path):
+    client: str
+    share: float
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.client, str) or not self.client:
+            raise ValueError(f"a client must be named by a non-empty string, got {self.client!r}")
+        if isinstance(self.share, bool) or not isinstance(self.share, int | float) or not 0.0 < self.share <= 1.0:
+            raise ValueError(f"a client's share must lie in (0, 1], got {self.share!r}")
+
+    def of(self, total: Budget) -> Budget:
+        return Budget(total.epsilon * self.share, total.delta * self.share)
+
+
+class BudgetExhausted(RuntimeError):
+    """A reservation would take a context (or a client's share of it) past its total; nothing
+    was recorded. ``remaining`` is what the requester can still reserve."""
+
+    def __init__(self, context: str, total: Budget, remaining: Budget, requested: Budget, path: Path,
+                 quota: Quota | None = None):
         self.context = context
         self.total = total
         self.remaining = remaining
         self.requested = requested
+        self.quota = quota
+        whose = (f"context {context!r}" if quota is None else
+                 f"client {quota.client!r} (share {quota.share:g}) on context {context!r}")
         super().__init__(
-            f"query budget of context {context!r} exhausted: requested {requested}, "
+            f"query budget of {whose} exhausted: requested {requested}, "
             f"remaining {remaining} of total {total} (ledger {path})"
         )
 
@@ -71,7 +96,9 @@ class BudgetExhausted(RuntimeError):
 class BudgetStatus:
     """A context's budget as recorded: ``spent`` composes every reservation (settled ones at
     their actual amount), ``remaining`` is ``total - spent`` clamped at 0, ``queries`` counts
-    reservations, ``foreign`` counts ledger lines written under another key (unmatched)."""
+    reservations, ``foreign`` counts ledger lines written under another key (unmatched). For a
+    ``client`` (its quota): its share as ``total``, its reservations, and as ``remaining`` what it
+    can still reserve (its share's remainder, at most the context's)."""
 
     context: str
     total: Budget
@@ -79,10 +106,12 @@ class BudgetStatus:
     remaining: Budget
     queries: int
     foreign: int = 0
+    client: str | None = None
 
     def to_json(self) -> dict:
         return {
             "context": self.context,
+            **({} if self.client is None else {"client": self.client}),
             "total": _budget_json(self.total),
             "spent": _budget_json(self.spent),
             "remaining": _budget_json(self.remaining),
@@ -93,17 +122,20 @@ class BudgetStatus:
 
 @dataclass(frozen=True)
 class Reservation:
-    """A recorded reservation of ``amount`` on ``context``, to be settled once with ``settle``."""
+    """A recorded reservation of ``amount`` on ``context`` (by ``quota``'s client, if any), to
+    be settled once with ``settle``."""
 
     context: str
     id: str
     amount: Budget
+    quota: Quota | None = None
 
 
 @dataclass(frozen=True)
 class _Entry:
     """One ledger line. ``total_*`` is the total the reservation was checked against (copied
-    into its settle line), so ``settle`` can report a status without being given the total."""
+    into its settle line), so ``settle`` can report a status without being given the total.
+    ``client``: the keyed label of the client whose quota it counts against ("" for none)."""
 
     key: str
     context: str
@@ -114,6 +146,7 @@ class _Entry:
     total_epsilon: float
     total_delta: float
     time: float
+    client: str = ""
 
     def to_line(self) -> bytes:
         return (json.dumps(asdict(self), sort_keys=True, separators=(",", ":")) + "\n").encode("utf-8")
@@ -184,6 +217,7 @@ class _View:
     open: dict[str, _Entry] = field(default_factory=dict)  # id -> unsettled reserve line
     settled: set[str] = field(default_factory=set)  # ids of settled reservations
     tallies: dict[str, _Tally] = field(default_factory=dict)  # context label -> running total
+    client_tallies: dict[tuple[str, str], _Tally] = field(default_factory=dict)  # (context, client) labels
 
     def advance(self, raw: bytes) -> None:
         """``raw`` (one line, its newline included when it has one) was applied."""
@@ -192,8 +226,18 @@ class _View:
         self.lines += 1
         self.needs_newline = not raw.endswith(b"\n")
 
-    def tally(self, label: str) -> _Tally:
-        return self.tallies.get(label) or _Tally()
+    def tally(self, label: str, client: str = "") -> _Tally:
+        """The running total of a context (label), or of a client (label) on it."""
+        found = self.client_tallies.get((label, client)) if client else self.tallies.get(label)
+        return found or _Tally()
+
+    def tallies_of(self, entry: _Entry) -> list[_Tally]:
+        """The running totals ``entry`` counts in (created as needed): its context's and its client's."""
+        label = sys.intern(entry.context)
+        found = [self.tallies.setdefault(label, _Tally())]
+        if entry.client:
+            found.append(self.client_tallies.setdefault((label, sys.intern(entry.client)), _Tally()))
+        return found
 
 
 class QueryLedger:
@@ -207,45 +251,52 @@ class QueryLedger:
         self._view = _View()
         self._mutex = threading.Lock()  # the view is shared by this object's threads
 
-    def reserve(self, context: str, total: Budget, amount: Budget) -> Reservation:
-        """Record that a query on ``context`` (budget ``total``) is about to spend ``amount``.
+    def reserve(self, context: str, total: Budget, amount: Budget, quota: Quota | None = None) -> Reservation:
+        """Record that a query on ``context`` (budget ``total``) is about to spend ``amount``,
+        on behalf of ``quota``'s client when given.
 
         Atomic: under an exclusive lock, if the context's spent budget plus ``amount`` exceeds
-        ``total`` in epsilon or delta (beyond a relative tolerance of 1e-9), raises
+        ``total`` in epsilon or delta (beyond a relative tolerance of 1e-9), or the client's
+        spent budget on the context plus ``amount`` exceeds its share of ``total``, raises
         ``BudgetExhausted`` and writes nothing; otherwise appends and fsyncs a reservation with
         a fresh random id before returning it. Call it before any private computation."""
         context = _check_context(context)
         total = _check_total(total)
         amount = _check_amount(amount, "amount")
-        label = self._context_label(context)
+        label, client = self._context_label(context), self._client_label(quota)
         with self._mutex, self._open(write=True) as handle:
             view = self._read(handle)
             spent = view.tally(label).spent
-            after = Budget(spent.epsilon + amount.epsilon, spent.delta + amount.delta)
-            if _exceeds(after.epsilon, total.epsilon) or _exceeds(after.delta, total.delta):
+            if not _fits(spent, amount, total):
                 raise BudgetExhausted(context, total, _remaining(total, spent), amount, self.path)
+            if quota is not None:
+                share, used = quota.of(total), view.tally(label, client).spent
+                if not _fits(used, amount, share):
+                    left = _least(_remaining(share, used), _remaining(total, spent))
+                    raise BudgetExhausted(context, share, left, amount, self.path, quota)
             rid = os.urandom(ID_BYTES).hex()
             entry = _Entry(self._key_label, label, RESERVE, rid, amount.epsilon, amount.delta,
-                           total.epsilon, total.delta, time.time())
+                           total.epsilon, total.delta, time.time(), client)
             self._append(handle, view, entry)
-        return Reservation(context, rid, amount)
+        return Reservation(context, rid, amount, quota)
 
     def settle(self, reservation: Reservation, actual: Budget) -> BudgetStatus:
         """Record that ``reservation``'s query spent ``actual`` (at most the reserved amount) and
-        return the context's status against the total the reservation was checked against.
+        return the context's status against the total the reservation was checked against (its
+        client's status, when it was made under a quota).
 
         Raises ``ValueError`` (and writes nothing) if the reservation is not in the ledger under
         this key, was already settled, does not match the recorded amount, or if ``actual``
         exceeds the reserved amount in epsilon or delta."""
         context = _check_context(reservation.context)
         actual = _check_amount(actual, "actual")
-        label = self._context_label(context)
+        label, client = self._context_label(context), self._client_label(reservation.quota)
         with self._mutex, self._open(write=True) as handle:
             view = self._read(handle)
             reserved = view.open.get(reservation.id)
             if reservation.id in view.settled:
                 raise ValueError(f"reservation {reservation.id!r} of context {context!r} is already settled")
-            if reserved is None or reserved.context != label:
+            if reserved is None or reserved.context != label or reserved.client != client:
                 raise ValueError(
                     f"reservation {reservation.id!r} of context {context!r} is not in ledger "
                     f"{self.path} under this key"
@@ -261,25 +312,39 @@ class QueryLedger:
                     f"context {context!r}: reserve the larger amount before computing"
                 )
             entry = _Entry(self._key_label, label, SETTLE, reservation.id, actual.epsilon, actual.delta,
-                           reserved.total_epsilon, reserved.total_delta, time.time())
+                           reserved.total_epsilon, reserved.total_delta, time.time(), client)
             self._append(handle, view, entry)
-            return _status(context, Budget(reserved.total_epsilon, reserved.total_delta), view, label)
+            total = Budget(reserved.total_epsilon, reserved.total_delta)
+            return self._status(context, total, view, reservation.quota)
 
-    def status(self, context: str, total: Budget) -> BudgetStatus:
+    def status(self, context: str, total: Budget, quota: Quota | None = None) -> BudgetStatus:
         """``context``'s budget as recorded, against ``total`` (all zero if the file does not
-        exist; reading never creates it). Reservations not yet settled count in full."""
+        exist; reading never creates it), or ``quota``'s client's on it. Reservations not yet
+        settled count in full."""
         context = _check_context(context)
         total = _check_total(total)
-        label = self._context_label(context)
         with self._mutex:
             if not self.path.exists():
                 self._view = _View()
-                return _status(context, total, self._view, label)
+                return self._status(context, total, self._view, quota)
             with self._open(write=False) as handle:
-                return _status(context, total, self._read(handle), label)
+                return self._status(context, total, self._read(handle), quota)
+
+    def _status(self, context: str, total: Budget, view: _View, quota: Quota | None) -> BudgetStatus:
+        label = self._context_label(context)
+        tally = view.tally(label)
+        spent, remaining = tally.spent, _remaining(total, tally.spent)
+        if quota is None:
+            return BudgetStatus(context, total, spent, remaining, tally.queries, view.foreign)
+        share, mine = quota.of(total), view.tally(label, self._client_label(quota))
+        left = _least(_remaining(share, mine.spent), remaining)
+        return BudgetStatus(context, share, mine.spent, left, mine.queries, view.foreign, quota.client)
 
     def _context_label(self, context: str) -> str:
         return self._key.label("query-ledger/context", context)
+
+    def _client_label(self, quota: Quota | None) -> str:
+        return "" if quota is None else self._key.label("query-ledger/client", quota.client)
 
     def _read(self, handle) -> _View:
         """The view brought up to date with the file (locked): only the bytes appended since the
@@ -336,21 +401,22 @@ class QueryLedger:
             view.foreign += 1
             return
         where = f"query ledger {self.path} line {number}"
-        label = sys.intern(entry.context)
         if entry.kind == RESERVE:
             if entry.id in view.open or entry.id in view.settled:
                 raise ValueError(f"{where} repeats reservation id {entry.id!r}")
             view.open[entry.id] = entry
-            view.tallies.setdefault(label, _Tally()).reserve(entry)
+            for tally in view.tallies_of(entry):
+                tally.reserve(entry)
             return
         if entry.id in view.settled:
             raise ValueError(f"{where} settles reservation {entry.id!r} a second time")
         reserved = view.open.get(entry.id)
-        if reserved is None or reserved.context != entry.context:
+        if reserved is None or (reserved.context, reserved.client) != (entry.context, entry.client):
             raise ValueError(f"{where} settles reservation {entry.id!r}, which is not reserved before it")
         del view.open[entry.id]
         view.settled.add(entry.id)
-        view.tallies[label].settle(reserved, entry)
+        for tally in view.tallies_of(entry):
+            tally.settle(reserved, entry)
 
     def _append(self, handle, view: _View, entry: _Entry) -> None:
         """Append one line after what ``_read`` applied to ``view``, fsync it, then apply it. A
@@ -398,7 +464,7 @@ def _parse(raw: bytes) -> _Entry:
         raise ValueError(str(exc)) from None
     if entry.kind not in _KINDS:
         raise ValueError(f"unknown kind {entry.kind!r}")
-    for name in ("key", "context", "id"):
+    for name in ("key", "context", "id", "client"):
         if not isinstance(getattr(entry, name), str):
             raise ValueError(f"{name} is not a string")  # noqa: TRY004
     for name in ("epsilon", "delta", "total_epsilon", "total_delta", "time"):
@@ -409,14 +475,18 @@ def _parse(raw: bytes) -> _Entry:
     return entry
 
 
-def _status(context: str, total: Budget, view: _View, label: str) -> BudgetStatus:
-    tally = view.tally(label)
-    spent = tally.spent
-    return BudgetStatus(context, total, spent, _remaining(total, spent), tally.queries, view.foreign)
-
-
 def _remaining(total: Budget, spent: Budget) -> Budget:
     return Budget(max(0.0, total.epsilon - spent.epsilon), max(0.0, total.delta - spent.delta))
+
+
+def _least(a: Budget, b: Budget) -> Budget:
+    return Budget(min(a.epsilon, b.epsilon), min(a.delta, b.delta))
+
+
+def _fits(spent: Budget, amount: Budget, total: Budget) -> bool:
+    """``spent + amount`` within ``total`` in epsilon and delta (up to the relative tolerance)."""
+    return not (_exceeds(spent.epsilon + amount.epsilon, total.epsilon)
+                or _exceeds(spent.delta + amount.delta, total.delta))
 
 
 def _exceeds(value: float, limit: float) -> bool:
