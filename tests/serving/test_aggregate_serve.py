@@ -1,17 +1,21 @@
 """DP aggregation at the output through `vllm-dp serve` on the real SmolLM2-135M-Instruct (one
 server, ~1-2 min): chat and completions (streaming too) answer with a receipt, the budget is
 spent in the persistent ledger and a query that does not fit gets 429, `/v1/dp/budget` states the
-same as `vllm-dp account`, leaking fields are refused, and no document text reaches the log."""
+same as `vllm-dp account`, leaking fields are refused, and no document text reaches the log. The
+answers are sampled from fresh randomness, so every number is checked exactly against what the
+receipts say the sampled path was (private tokens, stop), never against one path."""
 
 import json
 import urllib.error
 import urllib.request
 
 import pytest
+from transformers import AutoTokenizer
 
 from tests.models.test_serve_real import FLAGS, real_model
 from tests.serving.engines import vllm_dp_server
 from vllm_dp_plugin.config import DPPrivacyConfig
+from vllm_dp_plugin.plan import aggregation_params
 from vllm_dp_plugin.reports import account_statement
 
 SECRET = "The vault combination at Harlow Freight is 4471-93."
@@ -44,14 +48,26 @@ def stream(url: str, body: dict) -> list[dict]:
     return [json.loads(e) for e in events[:-1]]
 
 
+def check_receipt(receipt: dict, finish: str, section: dict) -> float:
+    """Without a gate (and the free public gate off) every step is private up to the cap of 4,
+    the stop token's step included; the receipt charges exactly the settlement of those steps at
+    the default epsilon (4: pure, 1 per private token). Returns the charge."""
+    params = aggregation_params(DPPrivacyConfig.from_dict(section).aggregate)
+    assert receipt["private_tokens"] == min(4, receipt["tokens"] + (finish == "stop"))
+    charge = params.settlement(receipt["private_tokens"])
+    assert (receipt["epsilon"], receipt["delta"]) == (charge.epsilon, charge.delta)
+    return receipt["epsilon"]
+
+
 @pytest.mark.vllm
 def test_aggregate_serves_smollm2(tmp_path):
     model = real_model("smollm2-135m-instruct")
+    tokenizer = AutoTokenizer.from_pretrained(model)
     docs = tmp_path / "harlow.jsonl"
     docs.write_text("".join(json.dumps({"id": f"d{i}", "text": t}) + "\n" for i, t in enumerate(DOCS)))
     section = {"key_file": str(tmp_path / "noise.key"),
                "aggregate": {"contexts": {"harlow": str(docs)}, "members": 4, "epsilon": 4.0,
-                             "max_epsilon": 8.0, "total_epsilon": 12.0, "max_tokens": 24,
+                             "max_epsilon": 8.0, "total_epsilon": 9.5, "max_tokens": 24,
                              "gate": "none", "max_private_tokens": 4}}
     config = tmp_path / "dp.json"
     config.write_text(json.dumps({"dp_privacy": section}))
@@ -63,11 +79,13 @@ def test_aggregate_serves_smollm2(tmp_path):
         assert status == 200, chat
         receipt = chat["dp_receipt"]
         assert json.loads(headers["x-dp-receipt"]) == receipt
-        assert 0 <= receipt["epsilon"] <= 4.0 + 1e-9 and receipt["context"] == "harlow"
-        assert 0 <= receipt["private_tokens"] <= receipt["tokens"] <= 24
+        assert receipt["context"] == "harlow" and receipt["tokens"] <= 24
+        first = check_receipt(receipt, chat["choices"][0]["finish_reason"], section)
         assert "one document" in receipt["unit"]
         assert chat["usage"]["completion_tokens"] == receipt["tokens"]
-        assert chat["usage"]["prompt_tokens"] < 60  # the conversation only: no member's documents
+        # the conversation only, exactly: no member's documents
+        public = tokenizer.apply_chat_template(question, tokenize=False, add_generation_prompt=True)
+        assert chat["usage"]["prompt_tokens"] == len(tokenizer.encode(public, add_special_tokens=False))
         assert isinstance(chat["choices"][0]["message"]["content"], str)
 
         for body, field in [({"logprobs": True}, "logprobs"), ({"top_logprobs": 2}, "top_logprobs"),
@@ -86,17 +104,17 @@ def test_aggregate_serves_smollm2(tmp_path):
         second = last["dp_receipt"]
         assert second["tokens"] <= 8
 
-        spent = receipt["epsilon"] + second["epsilon"]
+        spent = first + check_receipt(second, last["choices"][0]["finish_reason"], section)
         status, budget, _ = call(base + "/v1/dp/budget")
         (entry,) = budget["contexts"]
         assert entry["ledger"]["queries"] == 2
-        assert entry["ledger"]["spent"]["epsilon"] == pytest.approx(spent)
-        # without a gate the first 4 tokens are private: each query spent its worst case, 4;
-        # a query reserves its worst case first: 8 more does not fit what is left of 12
-        assert spent == pytest.approx(8.0)
+        assert entry["ledger"]["spent"]["epsilon"] == pytest.approx(spent, rel=1e-12)
+        # each query charged 1 to 4 (one private token at least, the stop's), so 1.5 to 7.5 of
+        # 9.5 is left on every path: a query at 8 reserves its worst case, 8, first and gets 429
+        assert 2.0 <= spent <= 8.0
         status, error, _ = call(base + "/v1/chat/completions", {"model": str(model), "messages": question,
                                                                  "vllm_xargs": {"dp_epsilon": 8.0}})
-        assert status == 429 and error["error"]["remaining"]["epsilon"] == pytest.approx(12.0 - spent)
+        assert status == 429 and error["error"]["remaining"]["epsilon"] == pytest.approx(9.5 - spent, rel=1e-12)
     text = log.read_text()
     assert "Harlow" not in text and "4471" not in text
     assert "DP aggregation over 1 collection(s)" in text
