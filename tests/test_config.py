@@ -232,6 +232,7 @@ def test_aggregate_defaults_are_the_recommended_settings():
     assert agg.choices is None and _aggregate(mechanism="expmech").choices == 64
     assert agg.cap == 8.0 and _aggregate(max_epsilon=16.0).cap == 16.0
     assert _aggregate(gate="none").gate_fraction == 0.0 and agg.gate_fraction == 0.5
+    assert agg.allow_foreign_ledger is False and _aggregate(allow_foreign_ledger=True).allow_foreign_ledger is True
 
 
 @pytest.mark.parametrize(("fields", "key"), [
@@ -250,6 +251,8 @@ def test_aggregate_defaults_are_the_recommended_settings():
     ({"contexts": {}}, "aggregate.contexts"),
     ({"contexts": 3}, "aggregate.contexts"),
     ({"budget_file": 3}, "aggregate.budget_file"),
+    ({"allow_foreign_ledger": "yes"}, "aggregate.allow_foreign_ledger"),
+    ({"allow_foreign_ledger": 1}, "aggregate.allow_foreign_ledger"),
 ])
 def test_aggregate_errors_name_the_key(fields, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):

@@ -76,7 +76,9 @@ class AttentionPrivacyConfig:
     private context instead.
     ``allow_rerelease``: serve a private context the release ledger has seen released under other
     noise (another key, weights or parameters): the budget is spent again and the report composes
-    every release. Off: such a start is refused.
+    every release. Off: such a start is refused, and so is any start while the ledger holds
+    entries written under another key (a lost or replaced key file: they cannot be matched to a
+    context, and may record its releases).
     ``public_head``: how many leading tokens of each private context are public, exact and never
     released (real models put much of their attention on their first tokens: attention sinks).
     ``auto`` (default): the tokenizer's BOS and the chat template's system header
@@ -275,6 +277,11 @@ class AggregatePrivacyConfig:
     each reservation must then fit both the collection's total and the client's ``share`` of it
     (shares need not sum to 1; the total still caps them all). Client names are public
     (``/v1/dp/budget`` states each share), keys are never configured, only their hashes.
+    ``allow_foreign_ledger``: serve although the query ledger holds entries written under another
+    noise key (the key file was lost or replaced: their spending cannot be read, so every
+    collection's budget would restart at zero and the documents are partitioned anew). Off (the
+    default): such a start, and any reservation, is refused; on: those entries are ignored and
+    reported as ``entries_under_other_keys``.
     ``max_tokens``: the cap on a response's length. ``clip``: expmech's clipping bound C (nats).
     ``candidates``: the public sequence's top tokens a private step chooses among (default: the
     whole vocabulary for ``vote``, 64 for ``expmech``, whose members then return as many
@@ -302,6 +309,7 @@ class AggregatePrivacyConfig:
     max_tokens: int = 256
     budget_file: str | None = None
     clients: dict[str, AggregateClient] | None = None
+    allow_foreign_ledger: bool = False
 
     def __post_init__(self) -> None:
         _choice(self.mechanism, AGGREGATION_MECHANISMS, "aggregate.mechanism")
@@ -343,6 +351,8 @@ class AggregatePrivacyConfig:
             raise ConfigError("aggregate.gate_share must be > 0 with gate svt (the gate spends budget)")
         if self.budget_file is not None and not isinstance(self.budget_file, str):
             raise ConfigError(f"aggregate.budget_file must be a file path, got {self.budget_file!r}")
+        if not isinstance(self.allow_foreign_ledger, bool):
+            raise ConfigError(f"aggregate.allow_foreign_ledger must be true or false, got {self.allow_foreign_ledger!r}")
         if isinstance(self.contexts, dict):
             if not self.contexts:
                 raise ConfigError("aggregate.contexts must name at least one document collection")

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from vllm_dp_plugin.privacy.accountant import Budget
-from vllm_dp_plugin.privacy.keyed_noise import NoiseKey
+from vllm_dp_plugin.privacy.keyed_noise import ForeignEntries, NoiseKey
 from vllm_dp_plugin.privacy.query_ledger import (
     BudgetExhausted,
     BudgetStatus,
@@ -190,17 +190,40 @@ def test_entries_hold_keyed_labels_and_the_file_is_private(key, ledger):
     assert stat.S_IMODE(os.stat(ledger.path.parent).st_mode) == 0o700
 
 
-def test_entries_under_another_key_are_ignored_and_counted(tmp_path):
+def test_a_lost_key_is_refused_instead_of_resetting_every_budget(tmp_path):
+    """Before: the recreated key's ledger ignored the old lines and granted the whole total again."""
+    key_path, path = tmp_path / "noise.key", tmp_path / "queries.jsonl"
+    old = QueryLedger(NoiseKey(key_path), path)
+    old.settle(old.reserve("ctx", TOTAL, Budget(2.0, 0.0)), Budget(1.0, 0.0))
+    key_path.unlink()  # lost: the next start creates a new key
+    new = QueryLedger(NoiseKey(key_path), path)
+    size = path.stat().st_size
+    for call in (new.check_key, lambda: new.reserve("ctx", TOTAL, Budget(3.0, 0.0))):
+        with pytest.raises(ForeignEntries) as info:
+            call()
+        message = str(info.value)
+        assert info.value.count == 2 and f"query ledger {path} holds 2 entries" in message
+        assert str(key_path) in message and "lost or replaced" in message
+        assert "restart at zero" in message and "`aggregate.allow_foreign_ledger: true`" in message
+    assert path.stat().st_size == size  # nothing written
+    status = new.status("ctx", TOTAL)  # reports still read it, and say what they cannot match
+    assert status.spent == Budget(0.0, 0.0) and status.queries == 0 and status.foreign == 2
+    assert status.to_json()["entries_under_other_keys"] == 2
+    assert QueryLedger(NoiseKey(tmp_path / "absent" / "k"), tmp_path / "absent" / "q.jsonl").check_key() == 0
+
+
+def test_entries_under_another_key_are_ignored_and_counted_when_allowed(tmp_path):
     path = tmp_path / "queries.jsonl"
     old = QueryLedger(NoiseKey(tmp_path / "old.key"), path)
     old.settle(old.reserve("ctx", TOTAL, Budget(2.0, 0.0)), Budget(1.0, 0.0))
-    new = QueryLedger(NoiseKey(tmp_path / "new.key"), path)
-    status = new.status("ctx", TOTAL)
-    assert status.spent == Budget(0.0, 0.0) and status.queries == 0 and status.foreign == 2
-    assert status.to_json()["entries_under_other_keys"] == 2
+    new = QueryLedger(NoiseKey(tmp_path / "new.key"), path, allow_foreign=True)
+    assert new.check_key() == 2
     new.reserve("ctx", TOTAL, Budget(3.0, 0.0))  # the old key's spending does not count here
-    assert new.status("ctx", TOTAL).queries == 1
-    assert old.status("ctx", TOTAL).spent == Budget(1.0, 0.0)  # nor the new key's there
+    assert new.status("ctx", TOTAL).queries == 1 and new.status("ctx", TOTAL).foreign == 2
+    old_again = QueryLedger(NoiseKey(tmp_path / "old.key"), path)
+    assert old_again.status("ctx", TOTAL).spent == Budget(1.0, 0.0)  # nor the new key's there
+    with pytest.raises(ForeignEntries):  # the old key now sees the new key's line
+        old_again.reserve("ctx", TOTAL, Budget(0.5, 0.0))
 
 
 def test_corrupt_lines_are_a_clear_error(ledger):

@@ -9,7 +9,7 @@ import stat
 import pytest
 
 from vllm_dp_plugin.privacy.accountant import Budget
-from vllm_dp_plugin.privacy.keyed_noise import NoiseKey
+from vllm_dp_plugin.privacy.keyed_noise import ForeignEntries, NoiseKey
 from vllm_dp_plugin.privacy.release_ledger import ReleaseLedger, ReleaseRefused
 
 UNIT = "one private K/V row of one attention layer"
@@ -42,12 +42,24 @@ def test_entries_hold_keyed_labels_only_and_the_file_is_private(tmp_path):
 
 def test_entries_under_another_key_are_counted_not_matched(tmp_path):
     """A new key (e.g. a deleted key file) cannot recognise earlier releases: the history says
-    how many entries it could not match instead of claiming a first release."""
-    path = tmp_path / "releases.jsonl"
-    ReleaseLedger(NoiseKey(tmp_path / "old.key"), path).register("s", "r", Budget(1.0, 0.0), UNIT, allow_rerelease=False)
-    history = ReleaseLedger(NoiseKey(tmp_path / "new.key"), path).history("s")
+    how many entries it could not match instead of claiming a first release, and a release under
+    the new key is refused unless re-releases are allowed (before: registered as a first release)."""
+    key_path, path = tmp_path / "noise.key", tmp_path / "releases.jsonl"
+    ReleaseLedger(NoiseKey(key_path), path).register("s", "r", Budget(1.0, 0.0), UNIT, allow_rerelease=False)
+    key_path.unlink()  # lost: the next start creates a new key
+    new = ReleaseLedger(NoiseKey(key_path), path)
+    history = new.history("s")
     assert history.releases == () and history.foreign == 1
     assert history.to_json()["entries_under_other_keys"] == 1
+    size = path.stat().st_size
+    with pytest.raises(ForeignEntries) as info:
+        new.register("s", "r", Budget(1.0, 0.0), UNIT, allow_rerelease=False)
+    message = str(info.value)
+    assert f"release ledger {path} holds 1 entries written under another noise key than {key_path}" in message
+    assert "release it again under new noise" in message and "`attention.allow_rerelease: true`" in message
+    assert path.stat().st_size == size  # nothing written
+    again = new.register("s", "r", Budget(1.0, 0.0), UNIT, allow_rerelease=True)
+    assert len(again.releases) == 1 and again.foreign == 1
 
 
 def test_corrupt_ledger_is_a_clear_error(tmp_path):

@@ -95,6 +95,21 @@ def fresh_generator(device: torch.device | str = "cpu") -> torch.Generator:
     return seeded_generator(os.urandom(SEED_BYTES), device)
 
 
+class ForeignEntries(RuntimeError):
+    """A ledger (``what``, at ``path``) holds ``count`` entries written under another key than
+    ``key``: its key file was lost or replaced after they were written, so they cannot be matched
+    to anything (``consequence``). Refused unless the operator sets ``allow``."""
+
+    def __init__(self, what: str, path: Path, count: int, key: NoiseKey, consequence: str, allow: str):
+        self.count = count
+        super().__init__(
+            f"{what} {path} holds {count} entries written under another noise key than {key.path}: that "
+            f"key file was lost or replaced after they were written, so {consequence}. Restore the key "
+            f"file that wrote them; or, to accept this, set `{allow}: true` (keep it while the ledger holds "
+            "those entries: they are ignored and reported as entries_under_other_keys)"
+        )
+
+
 class NoiseKey:
     """A secret key file and what is derived from it: MACs, public labels, noise generators."""
 

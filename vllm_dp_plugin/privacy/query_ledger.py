@@ -15,9 +15,12 @@ Guarantees:
   settled amounts of settled reservations plus the full amounts of unsettled ones.
 * **Uniform keyed file.** One JSON line per event (mode 0600, parent directory created 0700),
   like ``release_ledger``: the context appears only as ``NoiseKey.label`` (keyed), and each line
-  carries the label of the key that wrote it; lines written under another key cannot be matched
-  to a context, are ignored, and are counted (``foreign``) so a report can say the history is
-  incomplete. Corrupt lines raise ``ValueError`` naming the file and line.
+  carries the label of the key that wrote it. Lines written under another key cannot be matched
+  to a context: their key file was lost or replaced, and every budget would silently restart at
+  zero, so a ledger holding any refuses reservations (``ForeignEntries``, also raised by
+  ``check_key`` at start-up) unless built with ``allow_foreign`` (then they are ignored and
+  counted, ``foreign``, so a report can say the history is incomplete). Corrupt lines raise
+  ``ValueError`` naming the file and line.
 * **Client quotas.** A reservation may name a ``Quota`` (a client and its share of every
   context's total): it must then fit the context's total and the client's share of it; the
   client appears only as a keyed label, like the context.
@@ -30,7 +33,8 @@ Guarantees:
   2N lines, a 2-core box under load): re-reading the whole file took 28-44 ms at N = 400 and
   1.1-1.9 s at N = 20,000; with running totals it is the fsync, ~4 ms on ext4 at both sizes
   (0.14 / 0.22 ms on tmpfs). A ledger object's first call still parses the whole file
-  (1.2-1.7 s at N = 20,000, ~35 us a line). The calls block: async callers run them in a thread.
+  (1.2-1.7 s at N = 20,000, ~35 us a line; ``check_key`` at start-up pays it). The calls block:
+  async callers run them in a thread.
 """
 
 from __future__ import annotations
@@ -46,10 +50,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .accountant import Budget
-from .keyed_noise import NoiseKey
+from .keyed_noise import ForeignEntries, NoiseKey
 from .validation import check_delta, check_epsilon
 
 REL_TOLERANCE = 1e-9  # float sums of many small epsilons may overshoot the total by rounding
+ALLOW_FOREIGN_KEY = "aggregate.allow_foreign_ledger"  # the configuration key that allows foreign entries
 ID_BYTES = 16
 RESERVE = "reserve"
 SETTLE = "settle"
@@ -242,11 +247,13 @@ class _View:
 
 class QueryLedger:
     """The query-budget record at ``path``, keyed by ``key``. Safe to share between threads,
-    processes and restarts: every operation holds a ``flock`` on the file while it runs."""
+    processes and restarts: every operation holds a ``flock`` on the file while it runs.
+    ``allow_foreign``: reserve even though the file holds entries written under another key."""
 
-    def __init__(self, key: NoiseKey, path: str | os.PathLike):
+    def __init__(self, key: NoiseKey, path: str | os.PathLike, allow_foreign: bool = False):
         self._key = key
         self.path = Path(path)
+        self.allow_foreign = allow_foreign
         self._key_label = key.label("query-ledger/key")
         self._view = _View()
         self._mutex = threading.Lock()  # the view is shared by this object's threads
@@ -255,6 +262,8 @@ class QueryLedger:
         """Record that a query on ``context`` (budget ``total``) is about to spend ``amount``,
         on behalf of ``quota``'s client when given.
 
+        Raises ``ForeignEntries`` (and writes nothing) if the file holds entries written under
+        another key, unless ``allow_foreign``.
         Atomic: under an exclusive lock, if the context's spent budget plus ``amount`` exceeds
         ``total`` in epsilon or delta (beyond a relative tolerance of 1e-9), or the client's
         spent budget on the context plus ``amount`` exceeds its share of ``total``, raises
@@ -266,6 +275,7 @@ class QueryLedger:
         label, client = self._context_label(context), self._client_label(quota)
         with self._mutex, self._open(write=True) as handle:
             view = self._read(handle)
+            self._refuse_foreign(view)
             spent = view.tally(label).spent
             if not _fits(spent, amount, total):
                 raise BudgetExhausted(context, total, _remaining(total, spent), amount, self.path)
@@ -329,6 +339,25 @@ class QueryLedger:
                 return self._status(context, total, self._view, quota)
             with self._open(write=False) as handle:
                 return self._status(context, total, self._read(handle), quota)
+
+    def check_key(self) -> int:
+        """Raise ``ForeignEntries`` if the file holds entries written under another key (a lost or
+        replaced key file) and ``allow_foreign`` is off; else return how many it holds. Reads the
+        whole file once (a missing one is fine): call it at start-up, before the first query."""
+        with self._mutex:
+            if not self.path.exists():
+                self._view = _View()
+                return 0
+            with self._open(write=False) as handle:
+                view = self._read(handle)
+            self._refuse_foreign(view)
+            return view.foreign
+
+    def _refuse_foreign(self, view: _View) -> None:
+        if view.foreign and not self.allow_foreign:
+            raise ForeignEntries("query ledger", self.path, view.foreign, self._key,
+                                 "the budgets they recorded cannot be read and every collection's spending "
+                                 "would restart at zero", ALLOW_FOREIGN_KEY)
 
     def _status(self, context: str, total: Budget, view: _View, quota: Quota | None) -> BudgetStatus:
         label = self._context_label(context)

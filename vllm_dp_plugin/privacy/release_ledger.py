@@ -13,7 +13,10 @@ subject, which releases were made:
 * every identifier in it is ``NoiseKey.label`` of a secret digest (HMAC under the deployment's
   key): the file names no text, no token ids and nothing anyone without the key can test a guess
   against;
-* entries made under another key cannot be matched to a subject; they are counted
+* entries made under another key cannot be matched to a subject: that key file was lost or
+  replaced, and a private context released under it would be released again under new noise as
+  if for the first time, so ``register`` refuses while the file holds any (``ForeignEntries``)
+  unless ``allow_rerelease`` (the operator accepts releasing again); they are counted
   (``foreign``) so that a report can say the history is incomplete.
 """
 
@@ -27,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .accountant import Budget
-from .keyed_noise import NoiseKey
+from .keyed_noise import ForeignEntries, NoiseKey
 
 LEDGER_NAME = "releases.jsonl"
 
@@ -92,11 +95,18 @@ class ReleaseLedger:
 
         Idempotent for a release already recorded (a restart, another worker). A new release of
         a recorded subject raises ``ReleaseRefused`` unless ``allow_rerelease``; then it is
-        appended and the history's total composes both."""
+        appended and the history's total composes both. A file holding entries written under
+        another key raises ``ForeignEntries`` unless ``allow_rerelease`` (they may record this
+        subject's releases)."""
         subject_label = self._key.label("ledger/subject", subject)
         release_label = self._key.label("ledger/release", subject, release)
         with self._locked() as handle:
             entries, foreign = self._read(handle, subject_label)
+            if foreign and not allow_rerelease:
+                raise ForeignEntries("release ledger", self.path, foreign, self._key,
+                                     "whether a private context was already released cannot be read: serving it "
+                                     "now may release it again under new noise, spending its budget again",
+                                     "attention.allow_rerelease")
             if any(e.release == release_label for e in entries):
                 return History(tuple(entries), foreign)
             if entries and not allow_rerelease:
