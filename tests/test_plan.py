@@ -133,6 +133,20 @@ def test_aggregate_report_states_the_calibrated_query_and_the_ledger(tmp_path):
     assert "one document" in text and "spent so far: (eps=1.5" in text
 
 
+def test_aggregate_statement_protects_which_documents_exist_and_states_replace_one():
+    """Add/remove neighbours differ exactly in which documents exist and how many: the unit says it
+    covers that (up to one document) and what a replacement is; the public part is the
+    configuration, not the collection (it said "which documents exist and how many": issue 31)."""
+    from vllm_dp_plugin.plan import aggregate_report
+
+    agg = DPPrivacyConfig.from_dict({"aggregate": {"contexts": {"docs": "d.jsonl"}}}).aggregate
+    report = aggregate_report(agg, "docs", None)
+    assert "presence" in report["unit"] and "number of documents up to one" in report["unit"]
+    assert "a replacement is two such changes" in report["unit"]
+    assert "which documents" not in report["not_protected"] and "how many" not in report["not_protected"]
+    assert all(key in report["not_protected"] for key in ("members", "max_document_tokens", "max_member_tokens"))
+
+
 def test_a_request_below_the_minimum_epsilon_is_refused_naming_it():
     from vllm_dp_plugin.plan import aggregation_params
 

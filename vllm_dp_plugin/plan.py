@@ -469,8 +469,9 @@ def context_reports(cfg: AttentionPrivacyConfig, shape: ModelShape,
 
 # --------------------------------------------------------------------------- DP aggregation
 AGGREGATE_NOT_PROTECTED = (
-    "which documents exist and how many, the response's length and timing, and what the public "
-    "sequence (the conversation alone) would answer"
+    "the configuration (members, max_document_tokens, max_member_tokens), the response's timing (a "
+    "step's time depends on the members' prompt lengths), and what the public sequence (the "
+    "conversation alone) would answer"
 )
 
 

@@ -3,7 +3,10 @@
 A query (one request) is answered by ``k`` members that each see a disjoint part of a document
 collection, plus one public sequence that sees none. The unit is one document (add/remove): it
 belongs to exactly one member, so it can change that member's next-token distribution
-arbitrarily and no other member's. Every statement below is per query, for that unit.
+arbitrarily and no other member's. Every statement below is per query, for that unit; it covers
+a document's presence (which documents exist, and their number up to one) as well as its text.
+Replacing a document (remove + add) can move two members: every score coordinate and the gate's
+query by twice their sensitivity, as if each per-step epsilon doubled (a pure statement: 2 eps).
 
 Each private step is one exponential mechanism (McSherry & Talwar 2007) over a public candidate
 set (the public sequence's top tokens: data-independent), with a score whose every coordinate a
@@ -64,7 +67,8 @@ from .validation import check_count, check_delta, check_epsilon, check_positive
 
 AGGREGATION_MECHANISMS = ("vote", "expmech")
 GATES = ("svt", "none")
-UNIT = "one document of the collection (add/remove), per query"
+UNIT = ("one document of the collection (add/remove: its text and its presence, hence the number of documents up "
+        "to one; a replacement is two such changes), per query")
 
 
 def exponential_mechanism(scores: np.ndarray, sensitivity: float, epsilon: float, rng: np.random.Generator,
