@@ -331,7 +331,7 @@ def test_document_audit_on_tiny_llama(llama_pair, mechanism):
 
 
 def test_gate_no_answers_are_charged():
-    """A query whose gate answered no (one public step) is charged ``Aggregator.spent()``: the
+    """A query whose gate answered no (one public step) is charged ``Aggregator.settlement()``: the
     open gate instance's eps_gate, since its output law depends on the documents (a regression:
     it was charged 0). k = 2, threshold 1 member,
     eps_gate = 4 (noises Lap(1/2) threshold, Lap(1) query). D: both members agree with the
@@ -353,7 +353,7 @@ def test_gate_no_answers_are_charged():
             agg = Aggregator(p, rng)  # a fresh query: its own gate
             step = agg.step(public, members)
             hits += not step.private
-        return hits, agg.spent().epsilon
+        return hits, agg.settlement().epsilon
 
     hits_d, charge = public_and_free(agree, 7)
     hits_d2, _ = public_and_free(one_moved, 8)

@@ -104,8 +104,6 @@ class Aggregator:
         (``AggregationParams.settlement``)."""
         return self.params.settlement(self.private_steps, self.gate_open)
 
-    spent = settlement  # the name serving/aggregate.py calls until it is rewired to settlement()
-
 
 Source = Callable[[list[list[int]]], Awaitable[list[TopLogprobs]]]
 
