@@ -40,9 +40,9 @@ def service(tmp_path, tokenizer, docs, engine=None, **settings) -> AggregateServ
     """A service over one collection ``docs`` (ids d0, d1, ...; a removed document keeps the others' ids)."""
     path = tmp_path / f"docs-{len(docs)}.jsonl"
     path.write_text("".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in docs))
-    cfg = AggregatePrivacyConfig(contexts={"c": str(path)}, members=4, epsilon=4.0, total_epsilon=400.0,
-                                 max_tokens=8, gate="none", budget_file=str(tmp_path / f"q-{len(docs)}.jsonl"),
-                                 **settings)
+    settings = {"members": 4, "epsilon": 4.0, "total_epsilon": 400.0, "max_tokens": 8, "gate": "none",
+                "budget_file": str(tmp_path / f"q-{len(docs)}.jsonl"), **settings}
+    cfg = AggregatePrivacyConfig(contexts={"c": str(path)}, **settings)
     engine = engine or FakeEngine(len(tokenizer), MAX_MODEL_LEN)
     return AggregateService(cfg, engine, tokenizer, NoiseKey(tmp_path / "noise.key"), "m", (tokenizer.eos_token_id,),
                             MAX_MODEL_LEN)
@@ -199,3 +199,50 @@ def test_each_paraphrase_rewrite_runs_under_a_fresh_cache_salt(tmp_path, tokeniz
         assert asyncio.run(DPRenderer._rewrite(renderer, "my secret text", mechanism)) == "a rewrite"
     salts = [p.get("cache_salt") for p in engine.prompts]
     assert len(salts) == 2 and None not in salts and salts[0] != salts[1] and len(salts[0]) == 32
+
+
+# ------------------------------------------------------------------ the budget's wiring (items 5, 8, 9)
+def test_clients_answer_with_their_key_only_and_spend_their_own_share(tmp_path, tokenizer):
+    import hashlib
+
+    from vllm_dp_plugin.privacy.query_ledger import Quota
+
+    clients = {"alice": {"api_key_sha256": hashlib.sha256(b"key-a").hexdigest(), "share": 0.25},
+               "bob": {"api_key_sha256": hashlib.sha256(b"key-b").hexdigest(), "share": 0.5}}
+    svc = service(tmp_path, tokenizer, [("d0", DOCS[0]), ("d1", DOCS[1])], clients=clients)
+    body = {"messages": [{"role": "user", "content": "When?"}], "max_tokens": 2}
+
+    def ask(auth: bytes | None):
+        headers = [] if auth is None else [(b"authorization", auth)]
+        reply = asyncio.run(svc.handle("/v1/chat/completions", body, headers))
+        return reply.status_code, json.loads(reply.body)
+
+    for auth in (None, b"Bearer nope", b"Basic key-a", b"key-a"):
+        status, error = ask(auth)
+        assert status == 401 and "aggregate.clients" in error["error"]["message"]
+    assert queries(svc) == 0  # nothing reserved for an unknown caller
+    status, answer_a = ask(b"Bearer key-a")
+    assert status == 200
+    alice = svc.ledger.status("c", Budget(400.0, 1e-4), Quota("alice", 0.25))
+    assert alice.queries == 1 and alice.total.epsilon == 100.0
+    assert answer_a["dp_receipt"]["remaining"]["epsilon"] == pytest.approx(100.0 - alice.spent.epsilon)
+    assert svc.ledger.status("c", Budget(400.0, 1e-4), Quota("bob", 0.5)).queries == 0
+
+
+def test_a_spent_budget_answers_429_with_numbers_but_no_server_path(tmp_path, tokenizer):
+    svc = service(tmp_path, tokenizer, [("d0", DOCS[0])], total_epsilon=4.0)
+    body = {"messages": [{"role": "user", "content": "When?"}], "max_tokens": 2}
+    assert answer(svc, "/v1/chat/completions", body)[0] == 200
+    status, error = answer(svc, "/v1/chat/completions", body)
+    assert status == 429 and str(tmp_path) not in json.dumps(error) and "ledger" not in error["error"]["message"]
+    assert error["error"]["message"].startswith("query budget on context 'c' exhausted: requested ")
+
+
+def test_a_lost_key_refuses_to_start_over_the_old_ledger(tmp_path, tokenizer):
+    docs = [("d0", DOCS[0])]
+    svc = service(tmp_path, tokenizer, docs)
+    assert answer(svc, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1})[0] == 200
+    (tmp_path / "noise.key").unlink()  # lost: the next start makes a new key
+    with pytest.raises(ConfigError, match="allow_foreign_ledger"):
+        service(tmp_path, tokenizer, docs)
+    assert service(tmp_path, tokenizer, docs, allow_foreign_ledger=True).ledger.check_key() == 2

@@ -41,11 +41,11 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..aggregate.decode import Aggregator, TopLogprobs, generate
 from ..aggregate.documents import load_collection, member_texts
-from ..config import AggregatePrivacyConfig, ConfigError
+from ..config import AggregateClient, AggregatePrivacyConfig, ConfigError
 from ..plan import aggregation_params
 from ..privacy.accountant import Budget
 from ..privacy.aggregation import UNIT
-from ..privacy.keyed_noise import NoiseKey
+from ..privacy.keyed_noise import ForeignEntries, NoiseKey
 from ..privacy.query_ledger import BudgetExhausted, QueryLedger
 from ..reports import QUERY_LEDGER_NAME, aggregate_statement
 
@@ -181,7 +181,15 @@ class AggregateService:
         self.max_model_len = max_model_len
         self.member_bound = member_bound(cfg, max_model_len)
         self.collections = {c.name: c for c in load_collections(cfg, tokenizer, key, self.member_bound)}
-        self.ledger = QueryLedger(key, cfg.budget_file or key.path.parent / QUERY_LEDGER_NAME)
+        self.ledger = QueryLedger(key, cfg.budget_file or key.path.parent / QUERY_LEDGER_NAME,
+                                  allow_foreign=cfg.allow_foreign_ledger)
+        try:
+            foreign = self.ledger.check_key()  # a lost key must not silently reset every budget
+        except ForeignEntries as exc:
+            raise ConfigError(str(exc)) from None
+        if foreign:
+            logger.warning("vllm-dp: the query ledger holds %d entries under another key (allowed by "
+                           "aggregate.allow_foreign_ledger)", foreign)
         self.total = Budget(cfg.total_epsilon, cfg.total_delta)
         self.stop_ids = stop_ids
         choices = -1 if cfg.choices is None else cfg.choices
@@ -273,8 +281,23 @@ class AggregateService:
             raise RequestError(400, "the chat template renders a system turn differently when messages follow")
         return self.tokenizer.encode(both[len(alone):], add_special_tokens=False)
 
-    async def handle(self, path: str, body: dict):
+    def _client(self, headers) -> AggregateClient | None:
+        """The configured client whose key the request's ``Authorization: Bearer`` carries (401
+        when clients are configured and it carries none of theirs); None without clients."""
+        if not self.cfg.clients:
+            return None
+        auth = dict(headers).get(b"authorization", b"").decode("latin-1")
+        scheme, _, token = auth.partition(" ")
+        client = self.cfg.client_for_key(token.strip()) if scheme.lower() == "bearer" else None
+        if client is None:
+            raise RequestError(401, "DP aggregation answers configured clients only (aggregate.clients): send one's "
+                                    "key as Authorization: Bearer <key>")
+        return client
+
+    async def handle(self, path: str, body: dict, headers=()):
+        """The answer to one request (``headers``: the ASGI scope's, for the client's key)."""
         try:
+            client = self._client(headers)
             self._check_fields(body)
             collection, eps = self._options(body)
             max_tokens = self._max_tokens(body)
@@ -283,10 +306,14 @@ class AggregateService:
             self._check_room(public, suffix, max_tokens)
             members = self._member_ids(collection, public, suffix)
             params = aggregation_params(self.cfg, eps)
-            try:
-                reservation = self.ledger.reserve(collection.name, self.total, params.worst_case)
-            except BudgetExhausted as exc:
-                raise RequestError(429, str(exc), {"remaining": _budget_json(exc.remaining)}) from None
+            try:  # the ledger reads and fsyncs a file: off the event loop
+                reservation = await asyncio.to_thread(self.ledger.reserve, collection.name, self.total,
+                                                      params.worst_case, None if client is None else client.quota)
+            except BudgetExhausted as exc:  # its text names the ledger file: the client gets the numbers
+                whose = "" if exc.quota is None else f" of client {exc.quota.client!r}"
+                raise RequestError(429, f"query budget{whose} on context {exc.context!r} exhausted: requested "
+                                        f"{exc.requested}, remaining {exc.remaining} of {exc.total}",
+                                   {"remaining": _budget_json(exc.remaining)}) from None
         except RequestError as exc:
             return _error(exc)
         query = _Query(self, path, body, collection.name, params, reservation, public, members, max_tokens)
@@ -325,7 +352,7 @@ class _Query:
                 yield self.text[len(shown):]
             settled = self.aggregator.settlement()
         finally:
-            self.status = self.service.ledger.settle(self.reservation, settled)
+            self.status = await asyncio.to_thread(self.service.ledger.settle, self.reservation, settled)
 
     def receipt(self) -> dict:
         spent = self.aggregator.settlement()
@@ -387,6 +414,6 @@ def _budget_json(b: Budget) -> dict:
 
 
 def _error(exc: RequestError) -> JSONResponse:
-    kinds = {400: "BadRequestError", 429: "RateLimitError", 500: "InternalServerError"}
+    kinds = {400: "BadRequestError", 401: "AuthenticationError", 429: "RateLimitError", 500: "InternalServerError"}
     return JSONResponse({"error": {"message": exc.message, "type": kinds.get(exc.status, "Error"),
                                    "code": exc.status, **exc.extra}}, status_code=exc.status)

@@ -28,6 +28,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 
@@ -207,7 +208,7 @@ class PrivateContextGuard:
             return await _error(*refusal)(scope, receive, send)
         service = getattr(state, "dp_aggregate", None)
         if service is not None and scope["path"] in AGGREGATE_ROUTES:
-            return await (await service.handle(scope["path"], parsed))(scope, receive, send)
+            return await (await service.handle(scope["path"], parsed, scope.get("headers", [])))(scope, receive, send)
         if prompt_cfg is None and not contexts:
             return await self.app(scope, _replay(body, receive), send)
         overrides = option_overrides(parsed.get("vllm_xargs"))
@@ -283,7 +284,7 @@ async def dp_budget(request: Request) -> JSONResponse:
     payload = getattr(request.app.state, "dp_budget", None)
     if payload is None:
         return _error(400, "the server was started without the dp_privacy plugin state")
-    return JSONResponse(_payload(payload))
+    return JSONResponse(await asyncio.to_thread(_payload, payload))  # may read a ledger file
 
 
 class DynamicBudget:
