@@ -1,0 +1,27 @@
+"""Issue 31 item 7: DP aggregation's public sequence runs in the same engine batches as the
+members, and vLLM is not batch-invariant in general. On the CPU engine (float32) its next-token
+log-probabilities are bit-identical whether it runs alone or beside either of two neighbouring
+collections' members (measured; SECURITY.md states what holds on other devices)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.models.test_serve_real import real_model
+
+
+@pytest.mark.vllm
+def test_the_public_distribution_does_not_move_with_the_members_batch():
+    model = real_model("smollm2-135m-instruct")
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"}
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("public_logprobs_engine.py")), str(model)],
+                          env={**env, "VLLM_PLUGINS": ""}, capture_output=True, text=True, timeout=900, check=False)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, proc.stderr[-4000:]
+    got = json.loads(lines[-1][len("RESULT "):])
+    assert len(got["alone"]) >= 20
+    assert got["A"] == got["alone"] and got["B"] == got["alone"]  # exact: same tokens, same floats
