@@ -246,10 +246,11 @@ def _check_context_name(name: Any, where: str = "attention.contexts", what: str 
 class AggregatePrivacyConfig:
     """DP aggregation at the output over private document collections (``privacy.aggregation``).
 
-    Unit: one document (add/remove), per query; budgets are spent per query and recorded per
+    Unit: one document (add/remove: its text and presence, so which documents exist and their
+    number up to one; a replacement is two), per query; budgets are spent per query and recorded per
     context in a persistent ledger (``budget_file``, default ``queries.jsonl`` beside the noise
     key). ``contexts``: the collections, a mapping name -> source (a JSONL file, ``{"id", "text"}``
-    per line, or a directory whose ``*.txt`` files are the documents) or a directory whose
+    per line, every line with its own id, or a directory whose ``*.txt`` files are the documents) or a directory whose
     ``*.jsonl`` files are the collections, named by their stem; the first is the default, a
     request picks one with ``vllm_xargs.dp_context``. Documents over ``max_document_tokens``
     tokens are refused at start-up. ``max_member_tokens``: the public bound on one member's

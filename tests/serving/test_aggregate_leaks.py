@@ -156,7 +156,8 @@ def test_metrics_are_closed_and_the_stats_log_is_off_while_private_prompts_run(t
     key = str(tmp_path / "k")
     for section, forced in (({"aggregate": {"contexts": {"c": "x.jsonl"}}}, True),
                             ({"prompt": {"mechanism": "paraphrase"}}, True),
-                            ({"prompt": {"mechanism": "laplace"}}, False)):
+                            ({"prompt": {"mechanism": "laplace"}}, True),  # a request may ask for paraphrase
+                            ({"prompt": {"mechanism": "laplace", "allow_request_override": False}}, False)):
         path = tmp_path / "dp.json"
         path.write_text(json.dumps({"dp_privacy": {"key_file": key, **section}}))
         assert ("--disable-log-stats" in serve_arguments(["MODEL"], str(path))) == forced

@@ -533,11 +533,13 @@ def test_endpoint_state_refuses_prompt_privacy_without_the_renderer():
         config = SimpleNamespace(model_config=model, additional_config={"dp_privacy": {"prompt": {}}})
         return SimpleNamespace(vllm_config=config)
 
-    state = SimpleNamespace()
+    state, args = SimpleNamespace(), SimpleNamespace(disable_log_stats=True)  # as vllm-dp serve passes
     with pytest.raises(ConfigError, match="needs --tokenizer-mode dp_private"):
-        asyncio.run(DPPrivacyEndpoints().init_state(engine("auto"), state, None))
-    asyncio.run(DPPrivacyEndpoints().init_state(engine("dp_private"), state, None))
-    assert state.dp_prompt.epsilon == 10.0 and not state.dp_guard
+        asyncio.run(DPPrivacyEndpoints().init_state(engine("auto"), state, args))
+    with pytest.raises(ConfigError, match="--disable-log-stats"):  # a request may ask for paraphrase
+        asyncio.run(DPPrivacyEndpoints().init_state(engine("dp_private"), state, None))
+    asyncio.run(DPPrivacyEndpoints().init_state(engine("dp_private"), state, args))
+    assert state.dp_prompt.epsilon == 10.0 and not state.dp_guard and state.dp_counters_closed
     assert state.dp_budget["prompt"]["mechanism"] == "trlap_corrected" and not state.dp_budget["enabled"]
 
 

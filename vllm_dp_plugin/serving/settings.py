@@ -56,10 +56,13 @@ def dp_config(vllm_config) -> DPPrivacyConfig:
 
 
 def private_prompts(cfg: DPPrivacyConfig) -> bool:
-    """Whether private prompts run through the engine, where its counters, stats log and prefix
-    cache see them: DP aggregation's members (documents) or paraphrase rewrites (the user's raw
-    text)."""
-    return cfg.aggregate is not None or (cfg.prompt is not None and cfg.prompt.mechanism == PARAPHRASE)
+    """Whether private prompts may run through the engine, where its counters, stats log and
+    prefix cache see them: DP aggregation's members (documents) or paraphrase rewrites (the user's
+    raw text), which a request can choose (``vllm_xargs.dp_mechanism``) unless
+    ``prompt.allow_request_override`` is off."""
+    prompt = cfg.prompt
+    paraphrase = prompt is not None and (prompt.mechanism == PARAPHRASE or prompt.allow_request_override)
+    return cfg.aggregate is not None or paraphrase
 
 
 def raw_config_json(vllm_config) -> str:
