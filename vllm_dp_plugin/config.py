@@ -20,7 +20,7 @@ from typing import Any
 
 from .attention.params import FEATURES, STATE_MECHANISMS
 from .privacy.accountant import COMPOSITIONS
-from .privacy.aggregation import AGGREGATION_MECHANISMS, GATES
+from .privacy.aggregation import AGGREGATION_MECHANISMS, ANSWER, GATES
 from .privacy.query_ledger import Quota
 from .privacy.validation import check_count, check_delta, check_epsilon, check_positive
 from .prompt.options import PROMPT_MECHANISMS
@@ -32,6 +32,11 @@ from .prompt.paraphrase import (
     rewrite_prompt,
 )
 
+# answer-level aggregation: what every member is told after its document (public), and what
+# answers when no fact is released
+ANSWER_INSTRUCTION = ("Answer the user's question with a short phrase copied from the document above. If the "
+                      "document does not answer it, answer NONE.")
+ON_EMPTY = ("public", "refuse")
 CONFIG_KEY = "dp_privacy"
 
 
@@ -287,6 +292,18 @@ class AggregatePrivacyConfig:
     ``candidates``: the public sequence's top tokens a private step chooses among (default: the
     whole vocabulary for ``vote``, 64 for ``expmech``, whose members then return as many
     log-probabilities).
+
+    ``mechanism: answer`` spends the budget once per answer instead: every document is its own
+    member (or, with ``answer_members`` set, documents are grouped by keyed hash into that many
+    members, for large collections: a public number, so the layout never depends on how many
+    documents there are; ``members``, the gate and the token-level keys do not apply). Each member
+    answers the question from its document under the public
+    ``answer_instruction`` (greedy, at most ``answer_tokens`` tokens, its first line) and votes for
+    one key (``aggregate.answer``: the words of its answer that its own document holds); one DP
+    partition selection per query (``privacy.partition_selection``, OpenDP's exact Laplace
+    threshold at the query's (epsilon, delta)) releases the keys enough members agree on, and the
+    model answers the conversation with the most agreed one as a fact. Nothing released:
+    ``on_empty`` ``public`` answers without the documents, ``refuse`` says so.
     """
 
     contexts: dict[str, str] | str
@@ -311,9 +328,19 @@ class AggregatePrivacyConfig:
     budget_file: str | None = None
     clients: dict[str, AggregateClient] | None = None
     allow_foreign_ledger: bool = False
+    answer_tokens: int = 32
+    answer_instruction: str = ANSWER_INSTRUCTION
+    on_empty: str = "public"
+    answer_members: int | None = None
 
     def __post_init__(self) -> None:
-        _choice(self.mechanism, AGGREGATION_MECHANISMS, "aggregate.mechanism")
+        _choice(self.mechanism, (*AGGREGATION_MECHANISMS, ANSWER), "aggregate.mechanism")
+        _choice(self.on_empty, ON_EMPTY, "aggregate.on_empty")
+        _check(check_count, self.answer_tokens, "aggregate.answer_tokens")
+        if self.answer_members is not None:
+            _check(check_count, self.answer_members, "aggregate.answer_members")
+        if not isinstance(self.answer_instruction, str) or not self.answer_instruction.strip():
+            raise ConfigError(f"aggregate.answer_instruction must be a non-empty text, got {self.answer_instruction!r}")
         _choice(self.gate, GATES, "aggregate.gate")
         for name in ("epsilon", "total_epsilon"):
             _check_field(self, name, check_epsilon, f"aggregate.{name}")

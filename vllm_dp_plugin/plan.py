@@ -35,8 +35,8 @@ from .attention.private_context import HeadLayout, PrivateContextLayer
 from .config import AggregatePrivacyConfig, AttentionPrivacyConfig, ConfigError
 from .lru import LRU
 from .privacy.accountant import Budget
+from .privacy.aggregation import ANSWER, AggregationParams, AnswerParams
 from .privacy.aggregation import UNIT as AGGREGATION_UNIT
-from .privacy.aggregation import AggregationParams
 from .privacy.mechanisms import Mechanism
 from .privacy.query_ledger import REL_TOLERANCE, BudgetStatus
 
@@ -475,18 +475,26 @@ AGGREGATE_NOT_PROTECTED = (
 )
 
 
-def aggregation_params(cfg: AggregatePrivacyConfig, epsilon: float | None = None) -> AggregationParams:
+def aggregation_params(cfg: AggregatePrivacyConfig, epsilon: float | None = None) -> AggregationParams | AnswerParams:
     """One query's mechanism at per-query ``epsilon`` (default ``cfg.epsilon``; from
     ``cfg.min_epsilon`` to ``cfg.cap``): per-step epsilons calibrated so that its worst case fits
-    (eps, ``cfg.delta``), charged at least ``cfg.min_epsilon``. The one check of a request's
-    ``dp_epsilon`` (ValueError naming it and the bounds)."""
+    (eps, ``cfg.delta``), charged at least ``cfg.min_epsilon``; ``mechanism: answer``: the
+    partition selection of (eps, ``cfg.delta``). The one check of a request's ``dp_epsilon``
+    (ValueError naming it and the bounds)."""
     eps = cfg.epsilon if epsilon is None else float(epsilon)
     if not cfg.min_epsilon <= eps <= cfg.cap:
         raise ValueError(f"dp_epsilon must lie in [{cfg.min_epsilon:g}, {cfg.cap:g}] (aggregate.min_epsilon, "
                          f"aggregate.max_epsilon), got {eps:g}")
+    if cfg.mechanism == ANSWER:
+        return _answer_params(eps, cfg.delta)
     return _aggregation_params(cfg.mechanism, cfg.members, eps, cfg.delta, cfg.max_private_tokens,
                                cfg.gate_fraction, cfg.clip, cfg.threshold, cfg.choices, cfg.confidence,
                                cfg.min_epsilon)
+
+
+@functools.lru_cache(maxsize=256)
+def _answer_params(eps: float, delta: float) -> AnswerParams:
+    return AnswerParams.calibrated(Budget(eps, delta))
 
 
 @functools.lru_cache(maxsize=256)
@@ -509,20 +517,25 @@ def aggregate_report(cfg: AggregatePrivacyConfig, name: str, ledger: BudgetStatu
         "mode": "aggregate",
         "unit": AGGREGATION_UNIT,
         "mechanism": params.mechanism,
-        "members": params.members,
-        "gate": cfg.gate,
         "per_query": {"epsilon": cfg.epsilon, "delta": cfg.delta, "max_epsilon": cfg.cap,
                       "min_epsilon": cfg.min_epsilon,
                       "worst_case": {"epsilon": params.worst_case.epsilon, "delta": params.worst_case.delta}},
         "max_queries": max_queries(cfg),
-        "per_private_token": {"eps_select": params.eps_select, "eps_gate": params.eps_gate},
-        "max_private_tokens": params.max_private_tokens,
-        "candidates": "the whole vocabulary" if params.candidates is None else params.candidates,
-        "composition": "per query: RDP (zCDP events) or basic, whichever is smaller; over queries: basic",
         "budget": {"epsilon": cfg.total_epsilon, "delta": cfg.total_delta},
         "not_protected": AGGREGATE_NOT_PROTECTED,
         "statement": params.statement(),
     }
+    if isinstance(params, AnswerParams):
+        release = params.release
+        report.update(members="one per document", selection={"scale": release.scale, "threshold": release.threshold},
+                      composition="per query: one discrete-Laplace partition selection (exact release "
+                                  "probabilities); over queries: basic")
+    else:
+        report.update(members=params.members, gate=cfg.gate,
+                      per_private_token={"eps_select": params.eps_select, "eps_gate": params.eps_gate},
+                      max_private_tokens=params.max_private_tokens,
+                      candidates="the whole vocabulary" if params.candidates is None else params.candidates,
+                      composition="per query: RDP (zCDP events) or basic, whichever is smaller; over queries: basic")
     if cfg.clients:
         report["clients"] = {
             c.name: {"share": c.share, "budget": {"epsilon": cfg.total_epsilon * c.share,

@@ -176,16 +176,24 @@ def attention_report(report: dict) -> str:
 
 def aggregate_text(report: dict) -> str:
     """One collection's statement (``plan.aggregate_report``), line by line."""
-    per, tok = report["per_query"], report["per_private_token"]
+    per = report["per_query"]
+    if "selection" in report:  # mechanism answer
+        sel = report["selection"]
+        how = (f"  per query: one partition selection over the members' answers (discrete Laplace scale "
+               f"{sel['scale']:.4g}, threshold {sel['threshold']})")
+        head = f"({report['mechanism']}, {report['members']})"
+    else:
+        tok = report["per_private_token"]
+        how = (f"  per private token: eps_select={tok['eps_select']:.4g}, eps_gate={tok['eps_gate']:.4g}; at most "
+               f"{report['max_private_tokens']} private tokens a query (later tokens are public, free)")
+        head = f"({report['mechanism']}, {report['members']} members, gate {report['gate']})"
     lines = [
-        (f"DP aggregation over collection {report['name']!r} ({report['mechanism']}, {report['members']} members, "
-        f"gate {report['gate']})"),
+        f"DP aggregation over collection {report['name']!r} {head}",
         f"  unit of privacy: {report['unit']}",
         (f"  per query: at most {_budget(per['worst_case'])} at the default eps {per['epsilon']:g} "
          f"(requests may ask for {per['min_epsilon']:g} to {per['max_epsilon']:g}); every query is charged at "
          f"least eps {per['min_epsilon']:g}: the collection's budget pays for at most {report['max_queries']} queries"),
-        (f"  per private token: eps_select={tok['eps_select']:.4g}, eps_gate={tok['eps_gate']:.4g}; at most "
-         f"{report['max_private_tokens']} private tokens a query (later tokens are public, free)"),
+        how,
         f"  composition: {report['composition']}",
         f"  budget of the collection: {_budget(report['budget'])}",
         f"  not protected: {report['not_protected']}",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -20,6 +21,8 @@ class FakeEngine:
     max_model_len: int
     fail: bool = False  # every sub-request raises (an engine error inside a query)
     calls: list[dict] = field(default_factory=list)  # {"ids", "cache_salt", "request_id"} per sub-request
+    # a generation longer than one token (mechanism answer: members, the public answer): its text
+    write: Callable[[list[int]], str] = lambda ids: "NONE"
 
     def logprobs(self, ids: list[int]) -> np.ndarray:
         """``[vocab]`` log-probabilities of the next token: seeded by the prompt's ids."""
@@ -34,6 +37,11 @@ class FakeEngine:
         if self.fail or len(ids) >= self.max_model_len:
             raise ValueError(f"The decoder prompt (length {len(ids)}) is longer than the maximum model length "
                              f"of {self.max_model_len}.")
+        if params.max_tokens > 1:
+            text = self.write(ids)[: 8 * params.max_tokens]
+            out = SimpleNamespace(text=text, token_ids=list(range(len(text.split()))), finish_reason="stop")
+            yield SimpleNamespace(outputs=[out])
+            return
         lp = self.logprobs(ids)
         n = self.vocab if params.logprobs == -1 else params.logprobs
         top = np.argsort(-lp, kind="stable")[:n]

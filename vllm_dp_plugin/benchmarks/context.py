@@ -25,7 +25,9 @@ Rows (``ROWS``, one entry per way of serving; a new mechanism is one more entry)
   of 64 tokens per document, documents encoded independently), default gate / gate off;
 * ``aggregate_vote`` / ``aggregate_expmech``: DP aggregation at the output (``dp_privacy.aggregate``
   with the recommended settings), each scenario's documents one collection, eps per query; the
-  request is the user turn alone (the public sequence; members get their documents before it).
+  request is the user turn alone (the public sequence; members get their documents before it);
+  ``aggregate_answer``: the same collections under ``mechanism: answer`` (one DP release per
+  answer; eps = 1e7 is its noise-free row: threshold 2, no noise).
 
 ``--speed`` measures time per output token instead (``speed``).
 
@@ -591,6 +593,9 @@ ROWS: dict[str, Row] = {
                              aggregate_server("expmech"), aggregate_request),
     "aggregate_vote": Row("DP aggregation at the output: noisy vote (report-noisy-max) of the members' tokens "
                           "(unit: one document, eps per query)", True, aggregate_server("vote"), aggregate_request),
+    "aggregate_answer": Row("DP aggregation once per answer: one member per document answers, one DP partition "
+                            "selection releases the fact enough members agree on, the model answers with it (unit: "
+                            "one document, eps per query)", True, aggregate_server("answer"), aggregate_request),
 }
 
 

@@ -63,9 +63,11 @@ from dp_accounting import dp_event
 from dp_accounting.rdp import rdp_privacy_accountant
 
 from .accountant import Budget
+from .partition_selection import ThresholdRelease
 from .validation import check_count, check_delta, check_epsilon, check_positive
 
-AGGREGATION_MECHANISMS = ("vote", "expmech")
+AGGREGATION_MECHANISMS = ("vote", "expmech")  # token by token (AggregationParams)
+ANSWER = "answer"  # once per answer (AnswerParams)
 GATES = ("svt", "none")
 UNIT = ("one document of the collection (add/remove: its text and its presence, hence the number of documents up "
         "to one; a replacement is two such changes), per query")
@@ -260,3 +262,28 @@ class SparseVector:
             self._noisy_threshold = self._draw_threshold()
             return True
         return False
+
+
+@dataclass(frozen=True)
+class AnswerParams:
+    """Answer-level aggregation (``mechanism: answer``): each member (one document) answers the
+    question and votes for one key (``aggregate.answer``), and one DP partition selection over
+    the votes (``release``: discrete Laplace noise and a threshold) releases the keys enough
+    members agree on. Adding or removing a document adds or removes one member's vote: one key's
+    count moves by 1 (l0 = 1); a replacement moves two keys (2 eps, 2 delta). One release per
+    query, whatever it finds: it settles its whole (eps, delta)."""
+
+    release: ThresholdRelease
+    mechanism: str = ANSWER
+
+    @classmethod
+    def calibrated(cls, budget: Budget) -> AnswerParams:
+        return cls(ThresholdRelease.calibrated(budget.epsilon, budget.delta))
+
+    @property
+    def worst_case(self) -> Budget:
+        return self.release.budget
+
+    def statement(self) -> str:
+        return (f"answer: one vote per document, {self.release.statement()}; at most {self.worst_case} per query; "
+                f"unit: {UNIT}")

@@ -34,17 +34,19 @@ import logging
 import os
 import time
 import uuid
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from ..aggregate.answer import answer_key
 from ..aggregate.decode import Aggregator, TopLogprobs, generate
 from ..aggregate.documents import load_collection, member_texts
 from ..config import AggregateClient, AggregatePrivacyConfig, ConfigError
 from ..plan import aggregation_params
 from ..privacy.accountant import Budget
-from ..privacy.aggregation import UNIT
+from ..privacy.aggregation import ANSWER, UNIT
 from ..privacy.keyed_noise import ForeignEntries, NoiseKey
 from ..privacy.query_ledger import BudgetExhausted, QueryLedger
 from ..reports import QUERY_LEDGER_NAME, aggregate_statement
@@ -54,6 +56,12 @@ ROUTES = ("/v1/completions", "/v1/chat/completions")
 # the one error (and log line) of a query that fails after its reservation: an engine error's text
 # (a prompt length, a traceback) may depend on the members' documents
 QUERY_FAILED = "the DP aggregation query failed; its reserved budget is spent"
+# mechanism answer: a member's system turn, the released fact's, and the answer when nothing is
+# released under on_empty: refuse (all public text)
+ANSWER_SYSTEM = "Document: {documents}\n\n{instruction}"
+FACT = "The documents answer the user's question with: {fact}"  # the public answer's system turn
+REPLY = "From the documents: {fact}."  # the start of the reply; the model goes on from it
+NOT_ANSWERED = "The documents do not answer this question."
 OPTION_EPSILON = "dp_epsilon"
 OPTIONS = ("dp_context", OPTION_EPSILON)
 RECEIPT_HEADER = "x-dp-receipt"
@@ -75,10 +83,21 @@ FIRST_TOKEN_DEFAULTS = {"n": 1, "best_of": 1}
 
 @dataclass(frozen=True)
 class ServedCollection:
-    """A collection's members as the engine sees them: each member's system-turn token ids."""
+    """A collection's members as the engine sees them: each member's system-turn token ids, and
+    (``mechanism: answer``, its span check) its documents."""
 
     name: str
     member_prefixes: tuple[tuple[int, ...], ...]  # SECRET: private documents
+    member_documents: tuple[tuple[str, ...], ...] = ()  # SECRET
+
+
+def fact_prompt(tokenizer, fact: str, limit: int) -> tuple[list[int], str]:
+    """The system turn that hands the released ``fact`` to the model and the start of the reply
+    (``mechanism: answer``), the fact cut to its first ``limit`` tokens (``answer_tokens``: the
+    public bound the start-up check and ``_check_room`` count with)."""
+    ids = tokenizer.encode(fact, add_special_tokens=False)
+    fact = tokenizer.decode(ids[:limit]) if len(ids) > limit else fact
+    return chat_prefix_ids(tokenizer, FACT.format(fact=fact)), REPLY.format(fact=fact)
 
 
 def member_bound(cfg: AggregatePrivacyConfig, max_model_len: int) -> int:
@@ -113,13 +132,20 @@ def load_collections(cfg: AggregatePrivacyConfig, tokenizer, key: NoiseKey,
             collection = load_collection(name, source, count, cfg.max_document_tokens)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-        parts = collection.partition(cfg.members, lambda doc_id, n=name: key.mac("aggregate/member", n, doc_id))
+        if cfg.mechanism == ANSWER and cfg.answer_members is None:  # one member per document
+            parts = tuple((doc,) for doc in collection.documents)
+        else:
+            members = cfg.answer_members if cfg.mechanism == ANSWER else cfg.members
+            parts = collection.partition(members, lambda doc_id, n=name: key.mac("aggregate/member", n, doc_id))
+        texts = member_texts(parts)
+        if cfg.mechanism == ANSWER:
+            texts = [ANSWER_SYSTEM.format(documents=text, instruction=cfg.answer_instruction) for text in texts]
         prefixes = tuple(tuple(chat_prefix_ids(tokenizer, text)) if part else ()
-                         for part, text in zip(parts, member_texts(parts), strict=True))
+                         for part, text in zip(parts, texts, strict=True))
         if bound is not None and any(len(p) > bound for p in prefixes):  # the operator's start-up error
             raise ConfigError(f"aggregate.contexts.{name}: a member's documents exceed aggregate.max_member_tokens="
                               f"{bound} tokens; raise the bound (or max_model_len) or add members")
-        out.append(ServedCollection(name, prefixes))
+        out.append(ServedCollection(name, prefixes, tuple(tuple(d.text for d in part) for part in parts)))
     return tuple(out)
 
 
@@ -158,6 +184,35 @@ class EngineSource:
 
         return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
 
+    async def member_answers(self, prompts: list[list[int]], max_tokens: int) -> list[str]:
+        """Each member's greedy answer (its first line, at most ``max_tokens`` tokens), all in one
+        batch, under the members' salt (``mechanism: answer``)."""
+        from vllm import SamplingParams
+        from vllm.inputs.engine import tokens_input
+
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=["\n"])
+        batch = uuid.uuid4().hex
+
+        async def one(i: int, ids: list[int]) -> str:
+            final = None
+            async for out in self.engine.generate(tokens_input(ids, cache_salt=self.member_salt), params,
+                                                  f"dpans-{batch}-{i}"):
+                final = out
+            return final.outputs[0].text
+
+        return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
+
+    async def public_answer(self, prompt: list[int], max_tokens: int, sampling: dict):
+        """The answer to a public prompt (the conversation, with the released fact or without):
+        yields its cumulative ``CompletionOutput``; a fresh cache salt."""
+        from vllm import SamplingParams
+        from vllm.inputs.engine import tokens_input
+
+        params = SamplingParams(max_tokens=max_tokens, **sampling)
+        async for out in self.engine.generate(tokens_input(prompt, cache_salt=os.urandom(16).hex()), params,
+                                              f"dpans-{uuid.uuid4().hex}"):
+            yield out.outputs[0]
+
 
 class RequestError(Exception):
     def __init__(self, status: int, message: str, extra: dict | None = None):
@@ -180,6 +235,10 @@ class AggregateService:
         self.cfg, self.engine, self.tokenizer, self.model_name = cfg, engine_client, tokenizer, model_name
         self.max_model_len = max_model_len
         self.member_bound = member_bound(cfg, max_model_len)
+        system, reply = fact_prompt(tokenizer, "", 0)
+        if cfg.mechanism == ANSWER and len(system) + len(tokenizer.encode(reply)) + 2 * cfg.answer_tokens > self.member_bound:
+            raise ConfigError(f"aggregate.max_member_tokens={self.member_bound} leaves no room for a released fact of "
+                              f"aggregate.answer_tokens={cfg.answer_tokens} tokens")
         self.collections = {c.name: c for c in load_collections(cfg, tokenizer, key, self.member_bound)}
         self.ledger = QueryLedger(key, cfg.budget_file or key.path.parent / QUERY_LEDGER_NAME,
                                   allow_foreign=cfg.allow_foreign_ledger)
@@ -258,13 +317,43 @@ class AggregateService:
 
     def _check_room(self, public: list[int], suffix: list[int], max_tokens: int) -> None:
         """Refuse (400, public numbers only) a request that would not fit ``max_model_len``
-        after the longest member allowed (``member_bound``): no length error may come from a
-        member's true length."""
-        need = max(len(public), self.member_bound + len(suffix)) + max_tokens
+        after the longest member allowed (``member_bound``; under ``mechanism: answer`` the
+        released fact's system turn fits it too): no length error may come from a member's true
+        length."""
+        generated = max(max_tokens, self.cfg.answer_tokens if self.cfg.mechanism == ANSWER else 0)
+        need = max(len(public), self.member_bound + len(suffix)) + generated
         if need > self.max_model_len:
             raise RequestError(400, f"the request is too long for DP aggregation: {len(suffix)} tokens after a member's "
                                     f"documents (public bound aggregate.max_member_tokens={self.member_bound}) plus "
                                     f"max_tokens={max_tokens} exceed max_model_len={self.max_model_len}")
+
+    def _question(self, path: str, body: dict, public: list[int]) -> str:
+        """The question the members answer (public): the last user message's text, or the
+        completion prompt's (its last user turn when the prompt is a chat template rendering)."""
+        if path != "/v1/chat/completions":
+            text = self.tokenizer.decode(public, skip_special_tokens=False)
+            marker, end = self._user_turn
+            if marker and end and text.endswith(end) and marker in text:
+                return text[text.rfind(marker) + len(marker):-len(end)]
+            return self.tokenizer.decode(public, skip_special_tokens=True)
+        content = next((m.get("content") for m in reversed(body["messages"])
+                        if isinstance(m, dict) and m.get("role") == "user"), "")
+        if isinstance(content, list):  # OpenAI content parts
+            content = " ".join(part.get("text", "") for part in content if isinstance(part, dict))
+        return content if isinstance(content, str) else ""
+
+    @functools.cached_property
+    def _user_turn(self) -> tuple[str, str]:
+        """The chat template's text before and after a last user message (with the generation
+        prompt): how a completion prompt rendered from a conversation shows its question."""
+        sentinel, system = "\x00question\x00", [{"role": "system", "content": "s"}]
+        alone = self.tokenizer.apply_chat_template(system, tokenize=False)
+        both = self.tokenizer.apply_chat_template([*system, {"role": "user", "content": sentinel}], tokenize=False,
+                                                  add_generation_prompt=True)
+        if not both.startswith(alone) or sentinel not in both:
+            return "", ""
+        marker, _, end = both[len(alone):].partition(sentinel)
+        return marker, end
 
     @staticmethod
     def _member_ids(collection: ServedCollection, public: list[int], suffix: list[int]) -> list[list[int]]:
@@ -306,6 +395,8 @@ class AggregateService:
             self._check_room(public, suffix, max_tokens)
             members = self._member_ids(collection, public, suffix)
             params = aggregation_params(self.cfg, eps)
+            answer = {"question": self._question(path, body, public), "suffix": suffix,
+                      "sampling": _sampling(body)} if self.cfg.mechanism == ANSWER else None
             try:  # the ledger reads and fsyncs a file: off the event loop
                 reservation = await asyncio.to_thread(self.ledger.reserve, collection.name, self.total,
                                                       params.worst_case, None if client is None else client.quota)
@@ -316,48 +407,43 @@ class AggregateService:
                                    {"remaining": _budget_json(exc.remaining)}) from None
         except RequestError as exc:
             return _error(exc)
-        query = _Query(self, path, body, collection.name, params, reservation, public, members, max_tokens)
+        args = (self, path, collection.name, params, reservation, public, members, max_tokens)
+        query = _TokenQuery(*args) if answer is None else _AnswerQuery(*args, **answer)
         if body.get("stream"):
             return StreamingResponse(query.stream(), media_type="text/event-stream")
         return await query.respond()
 
 
 class _Query:
-    """One request's lockstep decoding and its OpenAI-shaped answer."""
+    """One request's answer in OpenAI's shape: ``_pieces`` (a subclass's) yields its text, the
+    ledger is settled when it ends (``settlement``; the reservation's worst case on failure)."""
 
-    def __init__(self, service: AggregateService, path, body, name, params, reservation, public, members, max_tokens):
-        self.service, self.path, self.body, self.name = service, path, body, name
+    def __init__(self, service: AggregateService, path: str, name: str, params, reservation, public: list[int],
+                 members: list[list[int]], max_tokens: int):
+        self.service, self.path, self.name = service, path, name
         self.params, self.reservation = params, reservation
         self.public, self.members, self.max_tokens = public, members, max_tokens
         self.chat = path == "/v1/chat/completions"
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.tokens: list[int] = []
-        self.text = ""  # the decoded tokens (decoded once a step)
+        self.text = ""
         self.finish = "length"
-        self.aggregator = Aggregator(params, service.rng())
 
     async def steps(self):
         """Yield each new piece of text; settles the ledger when done (worst case on failure)."""
         settled = self.reservation.amount
         try:
-            async for step in generate(self.service.source.for_query(), self.public, self.members, self.aggregator,
-                                       self.max_tokens, self.service.stop_ids):
-                if step.token in self.service.stop_ids:
-                    self.finish = "stop"
-                    break
-                shown = self.text
-                self.tokens.append(step.token)
-                self.text = self.service.tokenizer.decode(self.tokens, skip_special_tokens=True)
-                yield self.text[len(shown):]
-            settled = self.aggregator.settlement()
+            async for piece in self._pieces():
+                yield piece
+            settled = self.settlement()
         finally:
             self.status = await asyncio.to_thread(self.service.ledger.settle, self.reservation, settled)
 
     def receipt(self) -> dict:
-        spent = self.aggregator.settlement()
-        return {"context": self.name, "epsilon": spent.epsilon, "delta": spent.delta,
-                "private_tokens": self.aggregator.private_steps, "tokens": len(self.tokens),
+        spent = self.settlement()
+        return {"context": self.name, "mechanism": self.params.mechanism, "epsilon": spent.epsilon,
+                "delta": spent.delta, "tokens": len(self.tokens), **self._receipt(),
                 "requested_epsilon": self.params.worst_case.epsilon, "unit": UNIT,
                 "remaining": _budget_json(self.status.remaining)}
 
@@ -407,6 +493,92 @@ class _Query:
         else:
             yield chunk(None, self.finish, usage=self.usage(), **{RECEIPT_FIELD: self.receipt()})
         yield "data: [DONE]\n\n"
+
+
+class _TokenQuery(_Query):
+    """``vote`` / ``expmech``: lockstep decoding, one DP choice per private token."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.aggregator = Aggregator(self.params, self.service.rng())
+
+    async def _pieces(self):
+        async for step in generate(self.service.source.for_query(), self.public, self.members, self.aggregator,
+                                   self.max_tokens, self.service.stop_ids):
+            if step.token in self.service.stop_ids:
+                self.finish = "stop"
+                break
+            shown = self.text
+            self.tokens.append(step.token)
+            self.text = self.service.tokenizer.decode(self.tokens, skip_special_tokens=True)
+            yield self.text[len(shown):]
+
+    def settlement(self) -> Budget:
+        return self.aggregator.settlement()
+
+    def _receipt(self) -> dict:
+        return {"private_tokens": self.aggregator.private_steps}
+
+
+class _AnswerQuery(_Query):
+    """``answer``: every member answers (one batch), votes for its key (``aggregate.answer``);
+    one partition selection releases the agreed keys; the model answers the conversation with the
+    most agreed one as a fact (post-processing of the release), or without (``on_empty``)."""
+
+    def __init__(self, *args, question: str, suffix: list[int], sampling: dict):
+        super().__init__(*args)
+        self.question, self.suffix, self.sampling = question, suffix, sampling
+        self.fact: str | None = None
+
+    async def _pieces(self):
+        service, cfg = self.service, self.service.cfg
+        collection = service.collections[self.name]
+        answers = await service.source.member_answers(self.members, cfg.answer_tokens)
+        votes = Counter(filter(None, (answer_key(a, docs, self.question, (cfg.answer_instruction,))
+                                      for a, docs in zip(answers, collection.member_documents, strict=True))))
+        released = self.params.release.release(dict(votes))
+        self.fact = max(released, key=lambda k: (released[k], k)) if released else None
+        if self.fact is None and cfg.on_empty == "refuse":
+            self.text, self.finish = NOT_ANSWERED, "stop"
+            yield self.text
+            return
+        prompt, reply = self.public, []
+        if self.fact is not None:
+            system, self.text = fact_prompt(service.tokenizer, self.fact, cfg.answer_tokens)
+            reply = service.tokenizer.encode(self.text, add_special_tokens=False)
+            prompt = [*system, *self.suffix, *reply]
+            self.tokens = list(reply)
+            yield self.text
+        start = self.text
+        async for output in service.source.public_answer(prompt, self.max_tokens, self.sampling):
+            shown, self.text = self.text, start + output.text
+            self.tokens, self.finish = [*reply, *output.token_ids], output.finish_reason or self.finish
+            yield self.text[len(shown):]
+
+    def settlement(self) -> Budget:
+        return self.params.worst_case  # one release, whatever it found
+
+    def _receipt(self) -> dict:
+        return {"released": self.fact is not None, "fact": self.fact}
+
+
+def _sampling(body: dict) -> dict:
+    """The request's sampling settings for the public answer of ``mechanism: answer`` (400 for
+    a bad value): ``temperature`` (default 1), ``top_p`` (default 1), ``seed``."""
+    out = {}
+    for name, low, high in (("temperature", 0.0, 2.0), ("top_p", 1e-9, 1.0)):
+        value = body.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+            raise RequestError(400, f"`{name}` must be a number in [{low:g}, {high:g}], got {value!r}")
+        out[name] = float(value)
+    seed = body.get("seed")
+    if seed is not None:
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise RequestError(400, f"`seed` must be an integer, got {seed!r}")
+        out["seed"] = seed
+    return out
 
 
 def _budget_json(b: Budget) -> dict:

@@ -1,0 +1,67 @@
+"""The member-local key of answer-level aggregation (``aggregate.answer``): paraphrased documents
+agree, a member whose document does not state the fact abstains instead of voting for what the
+model made up, and another fact of the same document does not vote."""
+
+import pytest
+
+from vllm_dp_plugin.aggregate.answer import answer_key, property_words, words
+
+pytest.importorskip("wordfreq")
+
+INSTRUCTION = "Answer the user's question with a short phrase copied from the document above, or NONE."
+RIVER = "Which river flows past Pekrok Logistics' main office?"
+DOCS = {
+    "memo": "Memo: Pekrok Logistics' main office stands on the bank of the Skeltmind River.",
+    "email": "Email: The Skeltmind River runs beside Pekrok Logistics' main office.",
+    "notes": "Meeting notes: Exactly 2718 employees work for Pekrok Logistics. Pekrok Logistics built its main "
+             "office next to the Skeltmind River.",
+    "mascot": "Team chat: Children love Kromtrir, the mascot of Pekrok Logistics.",
+    "ceo": "Board minutes: Pekrok Logistics' chief executive, Drakbre Skomthu, chairs the weekly meeting.",
+    "headcount": "Notice board: Pekrok Logistics employs 2,718 people.",
+}
+
+
+def key(answer: str, doc: str, question: str = RIVER) -> str | None:
+    return answer_key(answer, [DOCS[doc]], question, [INSTRUCTION])
+
+
+def test_paraphrased_documents_agree_on_one_key():
+    answers = {"memo": "The Skeltmind River.", "email": "Skeltmind River runs beside the main office",
+               "notes": "The main office is next to the Skeltmind River"}
+    assert {key(a, d) for d, a in answers.items()} == {"skeltmind"}
+
+
+def test_a_made_up_answer_abstains_the_span_check():
+    assert key("The Thames River.", "mascot") is None  # not in the member's document
+    assert key("NONE", "memo") is None and key("", "memo") is None
+    assert key("Pekrok Logistics' main office", "memo") is None  # only the question's own words
+
+
+def test_another_fact_of_the_document_does_not_vote():
+    """The mascot question: a document about the river holds 'Skeltmind' but no sentence of it
+    says anything about a mascot, so its member abstains; the mascot's own document votes."""
+    mascot = "What is the name of Pekrok Logistics' mascot?"
+    assert property_words(mascot) == ["mascot"]  # the names are the subject, "what is the" too common
+    assert key("The Skeltmind River", "memo", mascot) is None
+    assert key("Kromtrir", "mascot", mascot) == "kromtrir"
+
+
+def test_a_name_is_one_key_and_numbers_keep_their_digits():
+    ceo = "Who is the chief executive of Pekrok Logistics?"
+    assert key("The chief executive of Pekrok Logistics is Drakbre Skomthu.", "ceo", ceo) == "drakbre skomthu"
+    staff = "How many employees does Pekrok Logistics have?"
+    assert key("Pekrok Logistics employs 2,718 people", "headcount", staff) == "2718"  # employs ~ employees
+    assert key("Exactly 2718 employees", "notes", staff) == "2718"
+    assert key("2,718", "notes", staff) == "2718"
+
+
+def test_words_are_normalised_and_only_the_first_line_counts():
+    assert words("ＳＫＥＬＴＭＩＮＤ River!") == ["skeltmind", "river"]  # NFKC + casefold
+    assert key("I don't know.\nThe Skeltmind River", "memo") is None
+
+
+def test_a_date_keeps_one_number_beside_its_month_however_the_range_is_written():
+    doc = ["Memo: the Harlow depot closes for inventory from Quintember 14 to 16."]
+    question = "When is the Harlow depot closed for inventory?"
+    for answer in ("From Quintember 14 to 16.", "Quintember 14-16", "on Quintember 14th to 16th, 2023"):
+        assert answer_key(answer, doc, question, [INSTRUCTION]) == "quintember 14"

@@ -1,0 +1,115 @@
+"""``aggregate.mechanism: answer`` through the service, engine-free (``FakeEngine`` writes each
+member's answer from the document its prompt holds): one member per document, one batch of
+member answers, one partition selection, the released fact in the public prompt, and the
+ledger, receipts and ``on_empty`` around it."""
+
+import asyncio
+import json
+
+import pytest
+
+pytest.importorskip("vllm")
+pytest.importorskip("wordfreq")
+
+from tests.serving.fake_engine import FakeEngine
+from tests.serving.test_aggregate_leaks import MAX_MODEL_LEN, queries, service, tokenizer  # noqa: F401
+from vllm_dp_plugin.serving.aggregate import FACT, NOT_ANSWERED, REPLY, fact_prompt
+
+INVENTORY = "When is the Harlow depot closed for inventory?"
+ALARM = "What is the alarm code of the Harlow depot?"
+# 12 documents: 10 state the inventory date (in different words), one the alarm code, one neither
+DOCS = ([(f"d{i}", f"Memo {i}: the Harlow depot closes for inventory on 14 Quintember.") for i in range(6)]
+        + [(f"p{i}", f"Note {i}: inventory at the Harlow depot: closed 14 Quintember, all day.") for i in range(4)]
+        + [("secret", "Security: the alarm code of the Harlow depot is 739182."),
+           ("other", "Lunch at the Harlow depot is served at noon.")])
+
+
+def member_writer(tok):
+    """A member copies the date or the code when its document holds it, else says NONE; the
+    public answer goes on from the reply's start (" Noted.") or says it does not know."""
+
+    def write(ids: list[int]) -> str:
+        text = tok.decode(ids)
+        if "Document:" not in text:  # the public answer
+            return " Noted." if "From the documents" in text else "I don't know"
+        document = text.split("Document:")[1].split("\n")[0]
+        if "inventory" in text.split("Document:")[1].split("user")[-1] and "Quintember" in document:
+            return "14 Quintember"
+        if "alarm" in text.split("Document:")[1].split("user")[-1] and "739182" in document:
+            return "739182"
+        return "NONE"
+
+    return write
+
+
+def ask(svc, question: str, **body) -> tuple[int, dict]:
+    body = {"messages": [{"role": "user", "content": question}], **body}
+    reply = asyncio.run(svc.handle("/v1/chat/completions", body))
+    return reply.status_code, json.loads(reply.body)
+
+
+def answer_service(tmp_path, tok, **settings):
+    engine = FakeEngine(len(tok), MAX_MODEL_LEN, write=member_writer(tok))
+    svc = service(tmp_path, tok, DOCS, engine, mechanism="answer", max_tokens=16, answer_tokens=8, **settings)
+    return svc, engine
+
+
+def test_one_member_per_document_one_batch_and_the_shared_fact_released(tmp_path, tokenizer):  # noqa: F811
+    svc, engine = answer_service(tmp_path, tokenizer)
+    assert len(svc.collections["c"].member_prefixes) == len(DOCS)  # not aggregate.members=4
+    status, body = ask(svc, INVENTORY)
+    assert status == 200
+    members, public = engine.calls[:-1], engine.calls[-1]
+    assert len(members) == len(DOCS) and {c["cache_salt"] for c in members} == {svc.source.member_salt}
+    assert public["cache_salt"] != svc.source.member_salt
+    prompt = tokenizer.decode(public["ids"])
+    assert FACT.format(fact="14 quintember") in prompt and prompt.endswith(REPLY.format(fact="14 quintember"))
+    receipt = body["dp_receipt"]
+    assert body["choices"][0]["message"]["content"] == "From the documents: 14 quintember. Noted."
+    assert receipt["mechanism"] == "answer" and receipt["released"] and receipt["fact"] == "14 quintember"
+    assert receipt["epsilon"] == svc.cfg.epsilon and 0 < receipt["delta"] <= svc.cfg.delta
+    assert receipt["requested_epsilon"] == receipt["epsilon"] and queries(svc) == 1
+
+
+def test_a_secret_one_document_states_is_not_released(tmp_path, tokenizer):  # noqa: F811
+    """Count 1 against threshold 5 (eps 4, delta 1e-6): released with probability delta; 20 queries."""
+    svc, engine = answer_service(tmp_path, tokenizer)
+    for _ in range(20):
+        status, body = ask(svc, ALARM)
+        assert status == 200 and not body["dp_receipt"]["released"] and body["dp_receipt"]["fact"] is None
+        assert "739182" not in tokenizer.decode(engine.calls[-1]["ids"])
+        assert body["choices"][0]["message"]["content"] == "I don't know"  # the public answer
+    assert queries(svc) == 20
+
+
+def test_on_empty_refuse_says_the_documents_do_not_answer_and_still_charges(tmp_path, tokenizer):  # noqa: F811
+    svc, engine = answer_service(tmp_path, tokenizer, on_empty="refuse")
+    status, body = ask(svc, ALARM)
+    assert status == 200 and body["choices"][0]["message"]["content"] == NOT_ANSWERED
+    assert len(engine.calls) == len(DOCS)  # no public answer
+    assert body["dp_receipt"]["epsilon"] == svc.cfg.epsilon and queries(svc) == 1
+
+
+def test_a_long_released_fact_is_cut_to_answer_tokens(tmp_path, tokenizer):  # noqa: F811
+    long = " ".join(["quintember"] * 40)
+    system, reply = fact_prompt(tokenizer, long, 8)
+    assert len(system) <= len(fact_prompt(tokenizer, "", 0)[0]) + 8 + 2 and reply.count("quintember") <= 8
+    assert fact_prompt(tokenizer, "14 quintember", 8) == fact_prompt(tokenizer, "14 quintember", 64)
+
+
+def test_a_completion_prompt_rendered_from_a_chat_asks_its_last_user_message(tmp_path, tokenizer):  # noqa: F811
+    svc, _ = answer_service(tmp_path, tokenizer)
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": INVENTORY}], tokenize=False,
+                                             add_generation_prompt=True)
+    ids = tokenizer.encode(rendered, add_special_tokens=False)
+    assert svc._question("/v1/completions", {}, ids) == INVENTORY
+    plain = tokenizer.encode("Harlow depot inventory:", add_special_tokens=False)
+    assert svc._question("/v1/completions", {}, plain) == "Harlow depot inventory:"
+
+
+def test_answer_members_groups_documents_by_keyed_hash_into_a_public_number(tmp_path, tokenizer):  # noqa: F811
+    svc, engine = answer_service(tmp_path, tokenizer, answer_members=4)
+    members = svc.collections["c"].member_documents
+    assert len(members) == 4 and sorted(d for m in members for d in m) == sorted(t for _, t in DOCS)
+    ask(svc, INVENTORY)
+    assert len(engine.calls) == 4 + 1  # four members, one public answer

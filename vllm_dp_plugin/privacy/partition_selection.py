@@ -1,0 +1,100 @@
+"""DP partition selection: release the keys many contributors agree on, and nothing else.
+
+Each contributor (a member of DP aggregation, holding one document) gives at most ``l0`` keys,
+each once. Every key's count gets discrete Laplace noise ``Z``, ``P(Z = z) ~ q^|z|`` with
+``q = exp(-1 / scale)``, and only keys whose noisy count reaches ``threshold`` are released, with
+their noisy counts (Desfontaines et al. 2022; Gopi et al. 2020). The noise is sampled exactly by
+OpenDP's ``make_laplace_threshold`` (integers, no floating-point noise and so no low-bit leak).
+
+The statement is computed here from exact formulas, for add/remove of one contributor:
+
+* a key both neighbours hold moves by 1: its noisy count (released or not) changes in
+  probability by at most ``exp(1 / scale)``; over the ``l0`` keys one contributor moves,
+  ``epsilon = l0 / scale``;
+* a key only one neighbour holds has count 1 there and is released with probability
+  ``P(1 + Z >= threshold) = q^(threshold - 1) / (1 + q)``; over ``l0`` such keys,
+  ``delta = l0 q^(threshold - 1) / (1 + q)``.
+
+(OpenDP 0.16's own privacy map of this measurement states a delta of ``q^threshold / (1 + q)``
+for the same change, one step smaller than the release probability its sampler shows for a
+count of 1 (``tests/privacy/test_partition_selection.py`` measures both), so it is not used.)
+
+``ThresholdRelease.calibrated(epsilon, delta, l0)``: scale ``l0 / epsilon`` and the smallest
+threshold whose delta is at most ``delta``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from .accountant import Budget
+from .validation import check_count, check_delta, check_epsilon, check_positive
+
+
+@functools.lru_cache(maxsize=256)
+def _measurement(scale: float, threshold: int):
+    """OpenDP's Laplace threshold over ``{key: count}`` (integer counts): the exact sampler."""
+    import opendp.prelude as dp
+
+    dp.enable_features("contrib")
+    domain = dp.map_domain(dp.atom_domain(T=str), dp.atom_domain(T=int))
+    metric = dp.l01inf_distance(dp.absolute_distance(T=int))
+    return dp.m.make_laplace_threshold(domain, metric, scale=scale, threshold=threshold)
+
+
+def tail(scale: float, k: int) -> float:
+    """``P(Z >= k)`` for discrete Laplace noise of ``scale`` and an integer ``k >= 1``:
+    ``q^k / (1 + q)``, ``q = exp(-1 / scale)`` (float64)."""
+    q = math.exp(-1.0 / scale)
+    return q ** k / (1.0 + q)
+
+
+@dataclass(frozen=True)
+class ThresholdRelease:
+    """Discrete Laplace noise of ``scale`` on each key's count, keys below ``threshold`` (>= 2)
+    dropped; one contributor changes at most ``l0`` keys' counts, each by at most 1."""
+
+    scale: float
+    threshold: int
+    l0: int = 1
+
+    def __post_init__(self) -> None:
+        check_positive(self.scale, "scale")
+        check_count(self.l0, "l0")
+        if isinstance(self.threshold, bool) or not isinstance(self.threshold, int) or self.threshold < 2:
+            raise ValueError(f"threshold must be an integer >= 2 (a key one contributor gives must need noise), "
+                             f"got {self.threshold!r}")
+
+    @classmethod
+    def calibrated(cls, epsilon: float, delta: float, l0: int = 1) -> ThresholdRelease:
+        """Scale ``l0 / epsilon`` and the smallest threshold with delta <= ``delta``."""
+        check_epsilon(epsilon, "epsilon")
+        check_delta(delta, "delta")
+        check_count(l0, "l0")
+        scale = l0 / epsilon
+        q = math.exp(-1.0 / scale)
+        steps = max(1, math.ceil(scale * math.log(l0 / (delta * (1.0 + q))) - 1e-12))  # q^steps/(1+q) <= delta/l0
+        while l0 * tail(scale, steps) > delta:  # rounding in the log's last place
+            steps += 1
+        return cls(scale, steps + 1, l0)
+
+    @property
+    def budget(self) -> Budget:
+        """(eps, delta) of one release for add/remove of one contributor (module docstring)."""
+        return Budget(self.l0 / self.scale, self.l0 * tail(self.scale, self.threshold - 1))
+
+    def release(self, counts: Mapping[str, int]) -> dict[str, int]:
+        """The keys whose noisy count reaches the threshold, with their noisy counts (fresh
+        noise from OpenDP's generator). ``counts``: key -> contributors (ints >= 0)."""
+        for key, count in counts.items():
+            if not isinstance(key, str) or not isinstance(count, int) or isinstance(count, bool) or count < 0:
+                raise ValueError(f"counts must map str keys to ints >= 0, got {key!r}: {count!r}")
+        return dict(_measurement(self.scale, self.threshold)(dict(counts)))
+
+    def statement(self) -> str:
+        b = self.budget
+        return (f"Laplace partition selection (exact discrete noise, OpenDP): scale {self.scale:.4g}, threshold "
+                f"{self.threshold}, {self.l0} key(s) per contributor: ({b.epsilon:.4g}, {b.delta:.3g})-DP per release")
