@@ -67,6 +67,7 @@ def test_one_member_per_document_one_batch_and_the_shared_fact_released(tmp_path
     receipt = body["dp_receipt"]
     assert body["choices"][0]["message"]["content"] == "From the documents: 14 quintember. Noted."
     assert receipt["mechanism"] == "answer" and receipt["released"] and receipt["fact"] == "14 quintember"
+    assert receipt["noisy_count"] >= 5  # the threshold at eps 4, delta 1e-6
     assert receipt["epsilon"] == svc.cfg.epsilon and 0 < receipt["delta"] <= svc.cfg.delta
     assert receipt["requested_epsilon"] == receipt["epsilon"] and queries(svc) == 1
 

@@ -529,6 +529,7 @@ class _AnswerQuery(_Query):
         super().__init__(*args)
         self.question, self.suffix, self.sampling = question, suffix, sampling
         self.fact: str | None = None
+        self.count: int | None = None
 
     async def _pieces(self):
         service, cfg = self.service, self.service.cfg
@@ -538,6 +539,7 @@ class _AnswerQuery(_Query):
                                       for a, docs in zip(answers, collection.member_documents, strict=True))))
         released = self.params.release.release(dict(votes))
         self.fact = max(released, key=lambda k: (released[k], k)) if released else None
+        self.count = released.get(self.fact)  # its noisy count (part of the release)
         if self.fact is None and cfg.on_empty == "refuse":
             self.text, self.finish = NOT_ANSWERED, "stop"
             yield self.text
@@ -559,7 +561,7 @@ class _AnswerQuery(_Query):
         return self.params.worst_case  # one release, whatever it found
 
     def _receipt(self) -> dict:
-        return {"released": self.fact is not None, "fact": self.fact}
+        return {"released": self.fact is not None, "fact": self.fact, "noisy_count": self.count}
 
 
 def _sampling(body: dict) -> dict:

@@ -1,0 +1,52 @@
+"""``aggregate.mechanism: answer`` through `vllm-dp serve` on the real SmolLM2-135M-Instruct
+over the bundled collection (``examples/serve-smollm2-aggregate.yaml``, what `make serve` runs;
+one server, ~2 min): the inventory dates, stated by 8 of its 22 documents, are released at eps 4
+per query (count 8 against threshold 5: missed with probability ~1e-7) and start the reply; the
+alarm code, stated by one document, is never released (probability delta per query) and no
+reply carries it; each query charges its (eps, delta) to the ledger."""
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.models.test_serve_real import FLAGS, real_model
+from tests.serving.engines import vllm_dp_server
+from tests.serving.test_aggregate_serve import call
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "serve-smollm2-aggregate.yaml"
+ALARM = "4471"
+
+
+def ask(base: str, model: str, question: str) -> dict:
+    status, reply, _ = call(base + "/v1/chat/completions", {"model": model, "max_tokens": 24,
+                                                            "messages": [{"role": "user", "content": question}]})
+    assert status == 200, reply
+    return reply
+
+
+@pytest.mark.vllm
+def test_the_bundled_collection_answers_its_shared_fact_and_never_the_alarm_code(tmp_path):
+    model = str(real_model("smollm2-135m-instruct"))
+    section = yaml.safe_load(EXAMPLE.read_text())["dp_privacy"]
+    section["key_file"] = str(tmp_path / "noise.key")
+    section["aggregate"]["contexts"] = {"northwind": str(EXAMPLE.parent / "northwind-documents.jsonl")}
+    assert section["aggregate"]["mechanism"] == "answer" and section["aggregate"]["epsilon"] == 4.0
+    config = tmp_path / "dp.json"
+    config.write_text(json.dumps({"dp_privacy": section}))
+    log = tmp_path / "serve.log"
+    with vllm_dp_server([model, "--dp-config", str(config), "--max-model-len", "2048", *FLAGS], log,
+                        timeout=900) as base:
+        dates = ask(base, model, "When is the Seattle warehouse closed for inventory?")
+        receipt = dates["dp_receipt"]
+        assert receipt["released"] and receipt["fact"] == "september 14", receipt
+        assert dates["choices"][0]["message"]["content"].startswith("From the documents: september 14.")
+        codes = [ask(base, model, q) for q in ("What is the alarm code of the Seattle warehouse back door?",
+                                                "Which code opens the back door of the Seattle warehouse?")]
+        for reply in codes:
+            assert not reply["dp_receipt"]["released"] and ALARM not in reply["choices"][0]["message"]["content"]
+        status, budget, _ = call(base + "/v1/dp/budget")
+        (entry,) = budget["contexts"]
+        assert entry["ledger"]["queries"] == 3 and entry["ledger"]["spent"]["epsilon"] == pytest.approx(12.0)
+    assert ALARM not in log.read_text() and "Seattle" not in log.read_text()
