@@ -2,6 +2,7 @@
 the row registry and the result schema; `--quick` end to end (rows none, full) on the demo model."""
 
 import json
+import random
 import re
 from pathlib import Path
 from types import SimpleNamespace
@@ -269,3 +270,22 @@ def test_markdown_fills_every_field():
             "max_tokens": 32, "concurrency": 8, "rows": [row], "budgets": []}
     text = bench.markdown(data)
     assert "{" not in text and "Greedy, 32 tokens" in text and "| none |  | 0.00 | 0.50 | 0.00 | 1.00 |" in text
+
+
+def test_the_answer_row_serves_mechanism_answer_and_its_speed_table_compares_with_full(tmp_path, monkeypatch):
+    from vllm_dp_plugin.config import DPPrivacyConfig
+
+    b = bench.Bench("m", bench.make_scenarios(2, seed=0), tmp_path, tmp_path / "cache")
+    monkeypatch.setattr(bench.Bench, "engine_flags", lambda self: ["--engine"])
+    server = bench.ROWS["aggregate_answer"].server(b, 4.0, b.scenarios)
+    config = server.cmd[server.cmd.index("--dp-config") + 1]
+    section = json.loads(Path(config).read_text())
+    assert DPPrivacyConfig.from_dict(section["dp_privacy"]).aggregate.mechanism == "answer"
+    assert len(bench.make_scenario(random.Random(7), 0, extra_docs=180)["documents"]) == 200
+    rows = [{"documents": 21, "row": "full", "eps": None, "s_per_answer": 1.0, "correct": 5, "questions": 7},
+            {"documents": 21, "row": "aggregate_answer", "eps": 4.0, "s_per_answer": 2.5, "correct": 4,
+             "questions": 7},
+            {"documents": 200, "row": "full", "eps": None, "s_per_answer": None, "note": "does not fit"}]
+    text = bench.answer_speed_markdown({"model": "m", "device": "cpu", "date": "d", "command": "c", "eps": 4.0,
+                                        "rows": rows})
+    assert "| 21 | aggregate_answer | 2.50 | 2.5 | 4 of 7 |" in text and "| 200 | full | does not fit |" in text

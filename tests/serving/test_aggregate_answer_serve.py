@@ -47,6 +47,7 @@ def test_the_bundled_collection_answers_its_shared_fact_and_never_the_alarm_code
         for reply in codes:
             assert not reply["dp_receipt"]["released"] and ALARM not in reply["choices"][0]["message"]["content"]
         status, budget, _ = call(base + "/v1/dp/budget")
+        assert status == 200
         (entry,) = budget["contexts"]
         assert entry["ledger"]["queries"] == 3 and entry["ledger"]["spent"]["epsilon"] == pytest.approx(12.0)
     assert ALARM not in log.read_text() and "Seattle" not in log.read_text()

@@ -845,6 +845,52 @@ def speed(bench: Bench, members: Sequence[int], eps: float, mechanism: str = "vo
     return rows
 
 
+ANSWER_DOCUMENTS = (21, 50, 200)  # --speed --rows aggregate_answer: collection sizes
+ANSWER_SPEED_SEED = 7  # their scenarios (generated, not the bundled ones)
+
+
+def answer_speed(model: str, work: Path, cache_dir: Path, counts: Sequence[int], eps: float, max_tokens: int,
+                 log=print) -> list[dict]:
+    """Seconds per answer, one request at a time, of ``full`` and ``aggregate_answer`` at ``eps``
+    over one generated scenario of each document count in ``counts`` (its 7 questions after a
+    warm-up pass that fills the prefix cache): how the members' batch grows with the collection."""
+    rows = []
+    for n in counts:
+        scenario = make_scenario(random.Random(ANSWER_SPEED_SEED), 0, extra_docs=n - max(SUPPORTS))
+        bench = Bench(model, [scenario], work / f"docs{n}", cache_dir, max_tokens, concurrency=1)
+        bench.work.mkdir(exist_ok=True)
+        for name, e in (("full", None), ("aggregate_answer", eps)):
+            row = ROWS[name]
+            why = bench.misfit(row, [scenario])
+            if why is not None:
+                rows.append({"documents": n, "row": name, "eps": e, "s_per_answer": None, "note": why})
+                continue
+            with RunningServer(row.server(bench, e, [scenario]), bench.work / f"speed-{name}.log") as server:
+                ask_all(bench, server, row, [scenario], name)  # warm-up
+                answers, wall = ask_all(bench, server, row, [scenario], name)
+            rows.append({"documents": n, "row": name, "eps": e, "s_per_answer": wall / len(answers),
+                         "correct": sum(a.correct for a in answers), "questions": len(answers)})
+            log(f"vllm-dp bench context --speed: {n} documents, {name}: {wall / len(answers):.2f} s/answer")
+    return rows
+
+
+def answer_speed_markdown(data: dict) -> str:
+    lines = [f"# Answer-level aggregation speed ({data['model']}, {data['device']}, {data['date']})", "",
+             (f"`{data['command']}`; one generated scenario (seed {ANSWER_SPEED_SEED}) per collection size, its "
+              f"questions one at a time after a warm-up pass; `aggregate_answer` at eps = {data['eps']:g} per query "
+              "(one member per document)."), "",
+             "| documents | row | s / answer | x full | correct |", "|---|---|---|---|---|"]
+    full = {r["documents"]: r["s_per_answer"] for r in data["rows"] if r["row"] == "full"}
+    for r in data["rows"]:
+        if r["s_per_answer"] is None:
+            lines.append(f"| {r['documents']} | {r['row']} | {r['note']} | | |")
+            continue
+        ratio = f"{r['s_per_answer'] / full[r['documents']]:.1f}" if full.get(r["documents"]) else ""
+        lines.append(f"| {r['documents']} | {r['row']} | {r['s_per_answer']:.2f} | {ratio} | "
+                     f"{r['correct']} of {r['questions']} |")
+    return "\n".join(lines) + "\n"
+
+
 def speed_markdown(data: dict) -> str:
     lines = [f"# DP aggregation speed ({data['model']}, {data['device']}, {data['date']})", "",
              (f"`{data['command']}`; eps = {data['eps']:g} per query, mechanism {data['mechanism']}; time per "
@@ -993,7 +1039,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--speed", action="store_true",
                         help="measure time per output token instead: stock (full context as plain prompt) vs "
                              f"aggregate_vote at k = {', '.join(map(str, SPEED_MEMBERS))} (first --eps), one request "
-                             "at a time, and throughput at --concurrency")
+                             "at a time, and throughput at --concurrency; with --rows aggregate_answer: seconds per "
+                             f"answer of full and aggregate_answer over {', '.join(map(str, ANSWER_DOCUMENTS))} "
+                             "documents")
     parser.add_argument("--make-scenarios", type=Path, metavar="OUT",
                         help="write --count generated scenarios (seed --seed) to OUT and exit")
     parser.add_argument("--count", type=int, default=24, help="scenarios to generate (--make-scenarios)")
@@ -1053,12 +1101,15 @@ def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
     device = device_label(default_device())  # the device vLLM serves on
     command = "vllm-dp bench context" + ("" if argv is None else " " + " ".join(argv))
     if args.speed:
+        answer = rows == ["aggregate_answer"]
+        measured = (answer_speed(model, work, args.cache_dir, ANSWER_DOCUMENTS, eps[0], max_tokens) if answer
+                    else speed(bench, SPEED_MEMBERS, eps[0]))
         data = {"model": model, "device": device, "date": date, "command": command.strip(), "eps": eps[0],
-                "mechanism": "vote", "rows": speed(bench, SPEED_MEMBERS, eps[0]),
+                "mechanism": "answer" if answer else "vote", "rows": measured,
                 "platform": platform.platform(), "wall_s": time.perf_counter() - started}
-        stem = args.out / f"context-speed-{device}-{date}"
+        stem = args.out / f"context-{'answer-' if answer else ''}speed-{device}-{date}"
         write_json(suffixed(stem, ".json"), data, indent=1)
-        write_text(suffixed(stem, ".md"), speed_markdown(data))
+        write_text(suffixed(stem, ".md"), (answer_speed_markdown if answer else speed_markdown)(data))
         print(suffixed(stem, ".md").read_text())
         shutil.rmtree(work, ignore_errors=True)
         return 0
