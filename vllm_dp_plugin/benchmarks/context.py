@@ -853,7 +853,7 @@ def answer_speed(model: str, work: Path, cache_dir: Path, counts: Sequence[int],
                  log=print) -> list[dict]:
     """Seconds per answer, one request at a time, of ``full`` and ``aggregate_answer`` at ``eps``
     over one generated scenario of each document count in ``counts`` (its 7 questions after a
-    warm-up pass that fills the prefix cache): how the members' batch grows with the collection."""
+    warm-up question that fills the prefix cache): how the members' batch grows with the collection."""
     rows = []
     for n in counts:
         scenario = make_scenario(random.Random(ANSWER_SPEED_SEED), 0, extra_docs=n - max(SUPPORTS))
@@ -866,7 +866,7 @@ def answer_speed(model: str, work: Path, cache_dir: Path, counts: Sequence[int],
                 rows.append({"documents": n, "row": name, "eps": e, "s_per_answer": None, "note": why})
                 continue
             with RunningServer(row.server(bench, e, [scenario]), bench.work / f"speed-{name}.log") as server:
-                ask_all(bench, server, row, [scenario], name)  # warm-up
+                ask_all(bench, server, row, [{**scenario, "questions": scenario["questions"][:1]}], name)  # warm-up
                 answers, wall = ask_all(bench, server, row, [scenario], name)
             rows.append({"documents": n, "row": name, "eps": e, "s_per_answer": wall / len(answers),
                          "correct": sum(a.correct for a in answers), "questions": len(answers)})
@@ -877,7 +877,7 @@ def answer_speed(model: str, work: Path, cache_dir: Path, counts: Sequence[int],
 def answer_speed_markdown(data: dict) -> str:
     lines = [f"# Answer-level aggregation speed ({data['model']}, {data['device']}, {data['date']})", "",
              (f"`{data['command']}`; one generated scenario (seed {ANSWER_SPEED_SEED}) per collection size, its "
-              f"questions one at a time after a warm-up pass; `aggregate_answer` at eps = {data['eps']:g} per query "
+              f"questions one at a time after a warm-up question; `aggregate_answer` at eps = {data['eps']:g} per query "
               "(one member per document)."), "",
              "| documents | row | s / answer | x full | correct |", "|---|---|---|---|---|"]
     full = {r["documents"]: r["s_per_answer"] for r in data["rows"] if r["row"] == "full"}
