@@ -527,7 +527,8 @@ def aggregate_report(cfg: AggregatePrivacyConfig, name: str, ledger: BudgetStatu
     }
     if isinstance(params, AnswerParams):
         release = params.release
-        report.update(members="one per document", selection={"scale": release.scale, "threshold": release.threshold},
+        members = "one per document" if cfg.answer_members is None else f"{cfg.answer_members} by keyed hash"
+        report.update(members=members, selection={"scale": release.scale, "threshold": release.threshold},
                       composition="per query: one discrete-Laplace partition selection (exact release "
                                   "probabilities); over queries: basic")
     else:

@@ -114,3 +114,53 @@ def test_answer_members_groups_documents_by_keyed_hash_into_a_public_number(tmp_
     assert len(members) == 4 and sorted(d for m in members for d in m) == sorted(t for _, t in DOCS)
     ask(svc, INVENTORY)
     assert len(engine.calls) == 4 + 1  # four members, one public answer
+    assert svc.statement()["contexts"][0]["members"] == "4 by keyed hash"
+
+
+def strip_query_ids(body: dict) -> dict:
+    return {k: v for k, v in body.items() if k not in ("id", "created")}
+
+
+@pytest.mark.parametrize("removed", ["secret", "other", "d3"])
+def test_neighbouring_collections_give_the_same_bytes_but_for_the_dp_outputs(tmp_path, tokenizer, caplog, removed):  # noqa: F811
+    """Collections one document apart (the secret's, a document stating nothing, one stating the
+    shared fact): a too-long prompt, an engine failure and the secret's question answer with the
+    same status, body (but for the query's id and time) and log lines; nothing is released about
+    the secret in either (probability delta per query)."""
+    import logging
+
+    def neighbour(docs, **kw):
+        engine = FakeEngine(len(tokenizer), MAX_MODEL_LEN, write=member_writer(tokenizer), **kw)
+        return service(tmp_path, tokenizer, docs, engine, mechanism="answer", max_tokens=16, answer_tokens=8)
+
+    pair = (DOCS, [d for d in DOCS if d[0] != removed])
+    long_question = "inventory " * (MAX_MODEL_LEN // 2)
+    for engine_kw, question in (({}, ALARM), ({}, long_question), ({"fail": True}, ALARM)):
+        seen = []
+        for docs in pair:
+            caplog.clear()
+            with caplog.at_level(logging.INFO, logger="vllm_dp_plugin"):
+                status, body = ask(neighbour(docs, **engine_kw), question)
+            seen.append((status, strip_query_ids(body), [r.getMessage() for r in caplog.records]))
+        assert seen[0] == seen[1], (engine_kw, question[:40])
+        assert seen[0][0] in (200, 400, 500)
+
+
+def test_the_released_count_carries_discrete_laplace_noise_of_scale_one_over_eps(tmp_path, tokenizer):  # noqa: F811
+    """30 documents state the fact; at eps 1 the receipt's noisy count is 30 + Z with
+    Var Z = 2q / (1 - q)^2, q = e^-1 (1.84). 100 queries: the sample variance lies within
+    [0.40, 3.0] x that (simulated offline: outside with probability ~1e-4); no noise (0) falls
+    outside, and half the noise (Var 0.36 = 0.19 x) in 995 of 1000 runs."""
+    import math
+
+    import numpy as np
+
+    docs = [(f"d{i}", f"Memo {i}: the Harlow depot closes for inventory on 14 Quintember.") for i in range(30)]
+    engine = FakeEngine(len(tokenizer), MAX_MODEL_LEN, write=member_writer(tokenizer))
+    svc = service(tmp_path, tokenizer, docs, engine, mechanism="answer", max_tokens=4, answer_tokens=8,
+                  epsilon=1.0, total_epsilon=1000.0)
+    counts = [ask(svc, INVENTORY)[1]["dp_receipt"]["noisy_count"] for _ in range(100)]
+    q = math.exp(-1.0)
+    var = 2 * q / (1 - q) ** 2
+    assert abs(np.mean(counts) - 30) < 4 * math.sqrt(var / 100)
+    assert 0.40 * var <= np.var(counts, ddof=1) <= 3.0 * var

@@ -100,6 +100,13 @@ def fact_prompt(tokenizer, fact: str, limit: int) -> tuple[list[int], str]:
     return chat_prefix_ids(tokenizer, FACT.format(fact=fact)), REPLY.format(fact=fact)
 
 
+def fact_room(tokenizer, answer_tokens: int) -> int:
+    """Tokens the released fact's system turn and reply start may take (the fact twice, each at
+    most ``answer_tokens`` tokens): within the member bound, so ``_check_room`` covers them."""
+    system, reply = fact_prompt(tokenizer, "", 0)
+    return len(system) + len(tokenizer.encode(reply, add_special_tokens=False)) + 2 * answer_tokens
+
+
 def member_bound(cfg: AggregatePrivacyConfig, max_model_len: int) -> int:
     """The public bound on one member's system turn (tokens): ``max_member_tokens``, default
     half of ``max_model_len``; ConfigError when it leaves no room for an answer."""
@@ -167,18 +174,22 @@ class EngineSource:
         """The ``decode.Source`` of one query (its public sequence's own salt)."""
         return functools.partial(self.ask, os.urandom(16).hex())
 
-    async def ask(self, public_salt: str, prompts: list[list[int]]) -> list[TopLogprobs]:
+    async def _output(self, ids: list[int], salt: str, params, request_id: str):
+        """The engine's final ``CompletionOutput`` for the prompt ``ids`` under cache ``salt``."""
         from vllm.inputs.engine import tokens_input
 
+        final = None
+        async for out in self.engine.generate(tokens_input(ids, cache_salt=salt), params, request_id):
+            final = out
+        return final.outputs[0]
+
+    async def ask(self, public_salt: str, prompts: list[list[int]]) -> list[TopLogprobs]:
         batch = uuid.uuid4().hex
         salts = (public_salt, self.member_salt)
 
         async def one(i: int, ids: list[int]) -> TopLogprobs:
-            final = None
-            params, salt = self.params[min(i, 1)], salts[min(i, 1)]
-            async for out in self.engine.generate(tokens_input(ids, cache_salt=salt), params, f"dpagg-{batch}-{i}"):
-                final = out
-            flat = final.outputs[0].logprobs  # FlatLogprobs: position 0's entries
+            output = await self._output(ids, salts[min(i, 1)], self.params[min(i, 1)], f"dpagg-{batch}-{i}")
+            flat = output.logprobs  # FlatLogprobs: position 0's entries
             start, end = flat.start_indices[0], flat.end_indices[0]
             return TopLogprobs.sorted(np.asarray(flat.token_ids[start:end]), np.asarray(flat.logprobs[start:end]))
 
@@ -188,19 +199,12 @@ class EngineSource:
         """Each member's greedy answer (its first line, at most ``max_tokens`` tokens), all in one
         batch, under the members' salt (``mechanism: answer``)."""
         from vllm import SamplingParams
-        from vllm.inputs.engine import tokens_input
 
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=["\n"])
         batch = uuid.uuid4().hex
-
-        async def one(i: int, ids: list[int]) -> str:
-            final = None
-            async for out in self.engine.generate(tokens_input(ids, cache_salt=self.member_salt), params,
-                                                  f"dpans-{batch}-{i}"):
-                final = out
-            return final.outputs[0].text
-
-        return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
+        outputs = await asyncio.gather(*(self._output(ids, self.member_salt, params, f"dpans-{batch}-{i}")
+                                         for i, ids in enumerate(prompts)))
+        return [o.text for o in outputs]
 
     async def public_answer(self, prompt: list[int], max_tokens: int, sampling: dict):
         """The answer to a public prompt (the conversation, with the released fact or without):
@@ -235,8 +239,7 @@ class AggregateService:
         self.cfg, self.engine, self.tokenizer, self.model_name = cfg, engine_client, tokenizer, model_name
         self.max_model_len = max_model_len
         self.member_bound = member_bound(cfg, max_model_len)
-        system, reply = fact_prompt(tokenizer, "", 0)
-        if cfg.mechanism == ANSWER and len(system) + len(tokenizer.encode(reply)) + 2 * cfg.answer_tokens > self.member_bound:
+        if cfg.mechanism == ANSWER and fact_room(tokenizer, cfg.answer_tokens) > self.member_bound:
             raise ConfigError(f"aggregate.max_member_tokens={self.member_bound} leaves no room for a released fact of "
                               f"aggregate.answer_tokens={cfg.answer_tokens} tokens")
         self.collections = {c.name: c for c in load_collections(cfg, tokenizer, key, self.member_bound)}
