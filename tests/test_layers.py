@@ -1,4 +1,4 @@
-"""The package's layers (README, Architecture): each package imports only the layers below it,
+"""The package's layers (docs/architecture.md): each package imports only the layers below it,
 and vLLM is imported by ``serving/`` alone (the benchmarks drive vLLM as a user does)."""
 
 from __future__ import annotations

@@ -117,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     train = commands.add_parser(
         "train", help="DP fine-tuning of a Hugging Face causal LM; the output directory is servable"
     )
-    train.add_argument("--config", required=True, help="YAML file of TrainConfig options (see README)")
+    train.add_argument("--config", required=True, help="YAML file of TrainConfig options (see docs/training.md)")
     train.add_argument("--stop-after", type=int, default=None, metavar="STEPS",
                        help="train at most STEPS steps now (checkpointed; rerun to resume)")
     train.set_defaults(handler=_train)

@@ -514,7 +514,7 @@ def dp_server(mode: str, **attention: object) -> Callable[[Bench, float | None, 
 def aggregate_server(mechanism: str, **settings: object) -> Callable[[Bench, float | None, Sequence[dict]], Server]:
     """``vllm-dp serve`` with DP aggregation (``dp_privacy.aggregate``), each of ``scenarios``'
     documents a collection (one document per line) named by the scenario id; ``settings``:
-    more ``aggregate`` keys (default: the README's recommended settings)."""
+    more ``aggregate`` keys (default: the recommended settings, docs/aggregation.md)."""
 
     def server(bench: Bench, eps: float | None, scenarios: Sequence[dict]) -> Server:
         assert eps is not None

@@ -286,7 +286,7 @@ def train(config: TrainConfig, progress: bool = True, stop_after: int | None = N
     if engine:
         engine.detach()
     if config.reattention:
-        remove_reattention(model)  # served models run plain attention (README: DP training)
+        remove_reattention(model)  # served models run plain attention (docs/training.md)
     privacy = report(config, plan, accountant, engine.secure_release if engine else None)
     if config.lora is not None:
         save_adapter(model, out / ADAPTER)
