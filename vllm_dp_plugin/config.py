@@ -381,16 +381,7 @@ class AggregatePrivacyConfig:
             raise ConfigError(f"aggregate.budget_file must be a file path, got {self.budget_file!r}")
         if not isinstance(self.allow_foreign_ledger, bool):
             raise ConfigError(f"aggregate.allow_foreign_ledger must be true or false, got {self.allow_foreign_ledger!r}")
-        if isinstance(self.contexts, dict):
-            if not self.contexts:
-                raise ConfigError("aggregate.contexts must name at least one document collection")
-            for name, path in self.contexts.items():
-                _check_context_name(name, "aggregate.contexts")
-                if not isinstance(path, str):
-                    raise ConfigError(f"aggregate.contexts.{name} must be a file or directory path, got {path!r}")
-        elif not isinstance(self.contexts, str):
-            raise ConfigError("aggregate.contexts must be a mapping name -> JSONL file or directory, or a "
-                              f"directory of .jsonl collections, got {type(self.contexts).__name__}")
+        _check_collections(self.contexts, "aggregate.contexts")
 
     @property
     def cap(self) -> float:
@@ -421,14 +412,70 @@ class AggregatePrivacyConfig:
 
     def collection_sources(self) -> dict[str, str]:
         """name -> source, in order (the first is the default)."""
-        if isinstance(self.contexts, dict):
-            return dict(self.contexts)
-        files = sorted(Path(self.contexts).glob("*.jsonl"))
-        if not files:
-            raise ConfigError(f"aggregate.contexts: no .jsonl collections in {self.contexts!r}")
-        for p in files:
-            _check_context_name(p.stem, "aggregate.contexts")
-        return {p.stem: str(p) for p in files}
+        return collection_sources(self.contexts, "aggregate.contexts")
+
+
+def collection_sources(contexts: dict[str, str] | str, where: str) -> dict[str, str]:
+    """name -> source of a ``contexts`` setting (a mapping, or a directory of ``*.jsonl``
+    collections named by their stem), in order."""
+    if isinstance(contexts, dict):
+        return dict(contexts)
+    files = sorted(Path(contexts).glob("*.jsonl"))
+    if not files:
+        raise ConfigError(f"{where}: no .jsonl collections in {contexts!r}")
+    for p in files:
+        _check_context_name(p.stem, where)
+    return {p.stem: str(p) for p in files}
+
+
+def _check_collections(contexts: Any, where: str) -> None:
+    if isinstance(contexts, dict):
+        if not contexts:
+            raise ConfigError(f"{where} must name at least one document collection")
+        for name, path in contexts.items():
+            _check_context_name(name, where)
+            if not isinstance(path, str):
+                raise ConfigError(f"{where}.{name} must be a file or directory path, got {path!r}")
+    elif not isinstance(contexts, str):
+        raise ConfigError(f"{where} must be a mapping name -> JSONL file or directory, or a "
+                          f"directory of .jsonl collections, got {type(contexts).__name__}")
+
+
+@dataclass(frozen=True)
+class FactSheetPrivacyConfig:
+    """A DP fact sheet per document collection, released once (``dp_privacy.fact_sheet``).
+
+    Unit: one document (add/remove), for the whole collection and every query ever answered from
+    it. At start-up each collection's documents give their fact keys (``aggregate.facts``: each
+    sentence's two rarest phrases, at most ``facts_per_document`` keys a document) and one DP set
+    union (discrete Laplace thresholding, ``l0 = facts_per_document``, at (``epsilon``,
+    ``delta``), noise keyed by the deployment's secret key so a restart reproduces the sheet)
+    releases the keys many documents give. The release is recorded in the release ledger (a
+    second release of a collection under other noise is refused unless ``allow_rerelease``).
+    Queries then get the sheet as a plain system context and spend nothing. ``contexts`` as in
+    ``aggregate``; a request picks one with ``vllm_xargs.dp_context``; documents over
+    ``max_document_tokens`` tokens are refused at start-up.
+    """
+
+    contexts: dict[str, str] | str
+    epsilon: float = 4.0
+    delta: float = 1e-6
+    facts_per_document: int = 2
+    max_document_tokens: int = 1024
+    allow_rerelease: bool = False
+
+    def __post_init__(self) -> None:
+        _check_collections(self.contexts, "fact_sheet.contexts")
+        _check_field(self, "epsilon", check_epsilon, "fact_sheet.epsilon")
+        _check_field(self, "delta", check_delta, "fact_sheet.delta")
+        for name in ("facts_per_document", "max_document_tokens"):
+            _check(check_count, getattr(self, name), f"fact_sheet.{name}")
+        if not isinstance(self.allow_rerelease, bool):
+            raise ConfigError(f"fact_sheet.allow_rerelease must be true or false, got {self.allow_rerelease!r}")
+
+    def collection_sources(self) -> dict[str, str]:
+        """name -> source, in order (the first is the default)."""
+        return collection_sources(self.contexts, "fact_sheet.contexts")
 
 
 EXPMECH_CANDIDATES = 64  # expmech's default: every member returns this many log-probabilities a step
@@ -583,7 +630,8 @@ class DPPrivacyConfig:
     ``enabled`` means DP attention (the ``attention`` section: the attention backend's switch);
     ``prompt_enabled`` means prompt privatization (the ``prompt`` section: the renderer's);
     ``aggregate`` is DP aggregation at the output (the API server answers chat and completions
-    itself). ``attention`` and ``aggregate`` exclude each other.
+    itself); ``fact_sheet`` a DP fact sheet released once per collection and served as a plain
+    context. ``attention``, ``aggregate`` and ``fact_sheet`` exclude each other.
     ``key_file``: the secret noise key (default ``$VLLM_DP_KEY_FILE`` or
     ``~/.config/vllm-dp/noise.key``); ``ledger_file``: the release ledger (default
     ``releases.jsonl`` beside the key). Keep both for the life of the deployment: a new key draws
@@ -595,6 +643,7 @@ class DPPrivacyConfig:
     attention: AttentionPrivacyConfig | None = None
     prompt: PromptPrivacyConfig | None = None
     aggregate: AggregatePrivacyConfig | None = None
+    fact_sheet: FactSheetPrivacyConfig | None = None
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> DPPrivacyConfig:
@@ -603,7 +652,7 @@ class DPPrivacyConfig:
             raise ConfigError(f"{CONFIG_KEY} must be a mapping, got {type(raw).__name__}")
         _no_unknown_keys(raw, cls, CONFIG_KEY)
         sections = {"attention": AttentionPrivacyConfig, "prompt": PromptPrivacyConfig,
-                    "aggregate": AggregatePrivacyConfig}
+                    "aggregate": AggregatePrivacyConfig, "fact_sheet": FactSheetPrivacyConfig}
         parsed: dict[str, Any] = {"key_file": raw.get("key_file"), "ledger_file": raw.get("ledger_file")}
         for name, value in parsed.items():
             if value is not None and not isinstance(value, str):
@@ -611,9 +660,14 @@ class DPPrivacyConfig:
         for name, section_cls in sections.items():
             if raw.get(name) is not None:
                 parsed[name] = _build(section_cls, raw[name], f"{CONFIG_KEY}.{name}")
-        if parsed.get("aggregate") is not None and parsed.get("attention") is not None:
-            raise ConfigError(f"{CONFIG_KEY}: give either `attention` (DP attention) or `aggregate` (DP "
-                              "aggregation at the output), not both")
+        given = [name for name in ("attention", "aggregate", "fact_sheet") if parsed.get(name) is not None]
+        if len(given) > 1:
+            raise ConfigError(f"{CONFIG_KEY}: give one private-context section of `attention` (DP attention), "
+                              f"`aggregate` (DP aggregation at the output) and `fact_sheet` (a DP fact sheet), "
+                              f"not {' and '.join(given)}")
+        if parsed.get("fact_sheet") is not None and parsed.get("prompt") is not None:
+            raise ConfigError(f"{CONFIG_KEY}: `fact_sheet` cannot be combined with `prompt` yet (its requests are "
+                              "rewritten before the prompt renderer)")
         if parsed.get("aggregate") is not None and parsed.get("prompt") is not None:
             raise ConfigError(f"{CONFIG_KEY}: `aggregate` cannot be combined with `prompt` yet (its requests "
                               "do not pass through the prompt renderer)")
@@ -669,8 +723,10 @@ def section_from_file(path: str | Path) -> Any:
     for name in ("key_file", "ledger_file"):
         if isinstance(raw.get(name), str):
             raw[name] = str(base / raw[name])
-    agg = raw.get("aggregate")
-    if isinstance(agg, dict):
+    for section in ("aggregate", "fact_sheet"):
+        agg = raw.get(section)
+        if not isinstance(agg, dict):
+            continue
         for name in ("contexts", "budget_file"):
             if isinstance(agg.get(name), str):
                 agg[name] = str(base / agg[name])

@@ -21,24 +21,34 @@ import dataclasses
 import functools
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .aggregate.documents import Document, load_collection
+from .aggregate.facts import FactSheet, release_sheet
 from .attention.accounting import composed_spend, group_mechanism, head_budget
 from .attention.calibration_file import Calibration, CalibrationError
 from .attention.features import taylor_degree, taylor_kernel_error
 from .attention.mapping import HeadMapping
 from .attention.params import DPAttentionParams
 from .attention.private_context import HeadLayout, PrivateContextLayer
-from .config import AggregatePrivacyConfig, AttentionPrivacyConfig, ConfigError
+from .config import (
+    AggregatePrivacyConfig,
+    AttentionPrivacyConfig,
+    ConfigError,
+    FactSheetPrivacyConfig,
+)
 from .lru import LRU
 from .privacy.accountant import Budget
 from .privacy.aggregation import ANSWER, AggregationParams, AnswerParams
 from .privacy.aggregation import UNIT as AGGREGATION_UNIT
+from .privacy.keyed_noise import NoiseKey, context_id
 from .privacy.mechanisms import Mechanism
+from .privacy.partition_selection import ThresholdRelease
 from .privacy.query_ledger import REL_TOLERANCE, BudgetStatus
+from .privacy.release_ledger import History, ReleaseLedger
 
 MAX_DEGREE = 64
 MAX_PLANS = 64  # ContextPlan.of's cache (serving: one per context, kind and softmax scale)
@@ -553,3 +563,78 @@ def max_queries(cfg: AggregatePrivacyConfig) -> int:
     """The most queries a collection's total pays for: each is charged at least ``min_epsilon``
     (up to the ledger's relative tolerance, and a calibration a hair below it)."""
     return math.floor(cfg.total_epsilon / cfg.min_epsilon * (1 + 2 * REL_TOLERANCE))
+
+
+# --------------------------------------------------------------------------- DP fact sheet
+FACT_SHEET_UNIT = ("one document of the collection (add/remove: its text and its presence; a replacement is two "
+                   "such changes), for the collection's one release: every query answered from the sheet spends "
+                   "nothing more")
+FACT_SHEET_NOT_PROTECTED = ("the configuration (epsilon, delta, facts_per_document, max_document_tokens) and the "
+                            "collection's names; the sheet itself is public once released")
+FACT_SHEET_VERSION = "facts/v1"  # the key extraction (aggregate.facts): a change draws a new release
+
+
+def fact_sheet_release(cfg: FactSheetPrivacyConfig) -> ThresholdRelease:
+    """The set union's mechanism: discrete Laplace thresholding at (epsilon, delta) with
+    ``l0 = facts_per_document``."""
+    return ThresholdRelease.calibrated(cfg.epsilon, cfg.delta, cfg.facts_per_document)
+
+
+@dataclass(frozen=True)
+class ReleasedSheet:
+    """One collection's released fact sheet and its release ledger history (public)."""
+
+    name: str
+    sheet: FactSheet
+    history: History
+
+
+def release_fact_sheet(cfg: FactSheetPrivacyConfig, name: str, documents: Sequence[Document], key: NoiseKey,
+                       ledger: ReleaseLedger) -> ReleasedSheet:
+    """Release collection ``name``'s fact sheet: recorded in ``ledger`` first (``ReleaseRefused``
+    when the collection was released under other noise and ``allow_rerelease`` is off), then the
+    keyed set union over its documents (the same key, documents and settings give the same sheet)."""
+    release = fact_sheet_release(cfg)
+    texts = sorted((d.id, d.text) for d in documents)
+    subject = context_id(json.dumps(texts, ensure_ascii=False))  # SECRET: enters only the MAC
+    settings = context_id(json.dumps([FACT_SHEET_VERSION, release.scale, release.threshold, release.l0]))
+    history = ledger.register(subject, settings, release.budget, FACT_SHEET_UNIT,
+                              allow_rerelease=cfg.allow_rerelease, setting="fact_sheet.allow_rerelease")
+    sheet = release_sheet([text for _, text in texts], release, key.generator(subject + settings, "fact_sheet"))
+    return ReleasedSheet(name, sheet, history)
+
+
+def release_fact_sheets(cfg: FactSheetPrivacyConfig, key: NoiseKey, ledger: ReleaseLedger,
+                        count_tokens=None) -> dict[str, ReleasedSheet]:
+    """Every configured collection loaded (ConfigError naming the key; documents over
+    ``max_document_tokens`` by ``count_tokens`` refused) and released (``release_fact_sheet``)."""
+    out = {}
+    for name, source in cfg.collection_sources().items():
+        try:
+            collection = load_collection(name, source, count_tokens, cfg.max_document_tokens, "fact_sheet.contexts")
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        out[name] = release_fact_sheet(cfg, name, collection.documents, key, ledger)
+    return out
+
+
+def fact_sheet_report(cfg: FactSheetPrivacyConfig, name: str, released: ReleasedSheet | None = None) -> dict[str, Any]:
+    """JSON-ready statement of one collection's fact sheet: the unit, the one release's (eps,
+    delta) and mechanism, and, once released, the sheet (public: its facts with their noisy
+    counts, and ``context``, the system text queries get) and the release ledger's history."""
+    release = fact_sheet_release(cfg)
+    budget = release.budget
+    report = {
+        "name": name,
+        "mode": "fact_sheet",
+        "unit": FACT_SHEET_UNIT,
+        "release": {"epsilon": budget.epsilon, "delta": budget.delta, "scale": release.scale,
+                    "threshold": release.threshold, "facts_per_document": release.l0},
+        "per_query": {"epsilon": 0.0, "delta": 0.0},
+        "statement": release.statement(),
+        "not_protected": FACT_SHEET_NOT_PROTECTED,
+    }
+    if released is not None:
+        report.update(facts=released.sheet.to_json(), context=released.sheet.system_text(),
+                      ledger=released.history.to_json())
+    return report

@@ -12,7 +12,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .config import AggregatePrivacyConfig, ConfigError, DPPrivacyConfig, PromptPrivacyConfig
+from .config import (
+    AggregatePrivacyConfig,
+    ConfigError,
+    DPPrivacyConfig,
+    FactSheetPrivacyConfig,
+    PromptPrivacyConfig,
+)
 
 
 def account_statement(config: DPPrivacyConfig, model: str | None) -> dict:
@@ -25,6 +31,8 @@ def account_statement(config: DPPrivacyConfig, model: str | None) -> dict:
 
     if config.aggregate is not None:
         return aggregate_statement(config.aggregate, stored_query_ledger(config))
+    if config.fact_sheet is not None:
+        return fact_sheet_statement(config.fact_sheet, {})
     if config.attention is None:
         return budget_statement(config, None, {})
     if model is None:
@@ -69,6 +77,18 @@ def aggregate_statement(agg: AggregatePrivacyConfig, ledger) -> dict:
             "scope": AGGREGATE_SCOPE}
 
 
+def fact_sheet_statement(cfg: FactSheetPrivacyConfig, released: dict) -> dict:
+    """The statement of the DP fact sheets (``dp_privacy.fact_sheet``): one
+    ``plan.fact_sheet_report`` per collection, with its sheet where ``released`` (name ->
+    ``plan.ReleasedSheet``) holds it. ``GET /v1/dp/budget`` answers it; ``vllm-dp account`` and
+    ``vllm-dp release-facts`` print it."""
+    from .plan import fact_sheet_report
+
+    return {"enabled": True, "mode": "fact_sheet", "scope": FACT_SHEET_SCOPE,
+            "contexts": [fact_sheet_report(cfg, name, released.get(name)) for name in cfg.collection_sources()]}
+
+
+FACT_SHEET_SCOPE = "per collection: one release, then every query is free (the sheet is public)"
 AGGREGATE_SCOPE = ("per collection: each collection has its own total budget, spent by the queries "
                    "that use it (basic composition over queries)")
 QUERY_LEDGER_NAME = "queries.jsonl"
@@ -94,6 +114,8 @@ def budget_report(config: DPPrivacyConfig, statement: dict) -> str:
     prompt privatization from the configuration."""
     if statement.get("mode") == "aggregate":
         parts = [aggregate_text(report) for report in statement["contexts"]]
+    elif statement.get("mode") == "fact_sheet":
+        parts = [fact_sheet_text(report) for report in statement["contexts"]]
     else:
         parts = [attention_report(report) for report in statement["contexts"]]
     if statement.get("scope"):
@@ -205,6 +227,25 @@ def aggregate_text(report: dict) -> str:
         lines.append(line)
     if "ledger" in report:
         lines.append(f"  spent so far: {_spent(report['ledger'])}")
+    return "\n".join(lines)
+
+
+def fact_sheet_text(report: dict) -> str:
+    """One collection's fact sheet statement (``plan.fact_sheet_report``), line by line."""
+    rel = report["release"]
+    lines = [
+        f"DP fact sheet of collection {report['name']!r} (released once, served as a plain context)",
+        f"  unit of privacy: {report['unit']}",
+        f"  the release: {_budget(rel)}: {report['statement']}",
+        "  per query: nothing (the sheet is public)",
+        f"  not protected: {report['not_protected']}",
+    ]
+    if "facts" in report:
+        lines.append(f"  released facts ({len(report['facts'])}): "
+                     + ("; ".join(f"{f['fact']} (~{f['noisy_count']})" for f in report["facts"]) or "none"))
+        ledger = report["ledger"]
+        lines.append(f"  releases of this collection: {ledger['releases_of_this_context']}, in total "
+                     f"{_budget(ledger['total_spent'])}")
     return "\n".join(lines)
 
 

@@ -7,6 +7,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
+import torch
 from scipy import stats
 
 from tests.privacy.test_aggregation import cp_lower, cp_upper
@@ -17,10 +18,12 @@ pytest.importorskip("opendp")
 PVALUE = 1e-7
 
 
-def draws(r: ThresholdRelease, count: int, n: int) -> list[int | None]:
+def draws(r: ThresholdRelease, count: int, n: int, seed: int | None = None) -> list[int | None]:
     """``n`` independent releases of a key counted ``count`` times (one call: n keys, each its
-    own noise): the released value or None."""
-    out = r.release({f"k{i}": count for i in range(n)})
+    own noise): the released value or None. ``seed``: the keyed sampler (``keyed_release``) with
+    a generator of that seed, else OpenDP's."""
+    counts = {f"k{i}": count for i in range(n)}
+    out = r.release(counts) if seed is None else r.keyed_release(counts, torch.Generator().manual_seed(seed))
     return [out.get(f"k{i}") for i in range(n)]
 
 
@@ -37,7 +40,7 @@ def law(scale: float, count: int, threshold: int) -> dict:
                                               (4.0, 1e-5, 2), (0.5, 1e-8, 1)])
 def test_calibration_is_the_smallest_threshold_meeting_delta(epsilon, delta, l0):
     r = ThresholdRelease.calibrated(epsilon, delta, l0)
-    assert r.scale == l0 / epsilon
+    assert l0 / epsilon <= r.scale < l0 / epsilon + 2.0 ** -20 and r.budget.epsilon <= epsilon
     q = math.exp(-epsilon / l0)
     assert r.budget.epsilon == pytest.approx(epsilon)
     assert r.budget.delta == pytest.approx(l0 * q ** (r.threshold - 1) / (1 + q)) and r.budget.delta <= delta
@@ -48,14 +51,16 @@ def test_thresholds_at_the_recommended_settings():
     assert [ThresholdRelease.calibrated(e, 1e-6).threshold for e in (1, 2, 4, 8)] == [15, 8, 5, 3]
 
 
-def test_release_law_matches_the_exact_formula():
+@pytest.mark.parametrize("scale,seed", [(1.0, None), (1.0, 3), (0.75, 4), (ThresholdRelease.calibrated(3.0, 1e-6).scale, 5)])
+def test_release_law_matches_the_exact_formula(scale, seed):
     """A key of count c is released with value v >= threshold with probability
     (1-q)/(1+q) q^|v-c| (chi-square over 20,000 draws), so a single vote (count 1) is released
-    with exactly the statement's delta."""
-    r = ThresholdRelease(scale=1.0, threshold=4)
+    with exactly the statement's delta: OpenDP's sampler and the keyed one (``seed``), at an
+    integer and at rational scales (the keyed sampler's t/s form)."""
+    r = ThresholdRelease(scale=scale, threshold=4)
     for count in (1, 4, 6):
         expected = law(r.scale, count, r.threshold)
-        seen = Counter(draws(r, count, 20_000))
+        seen = Counter(draws(r, count, 20_000, seed))
         keys = [None, *sorted(k for k in expected if k is not None and expected[k] * 20_000 >= 5)]
         observed = [seen.get(k, 0) for k in keys]
         probs = [expected[k] for k in keys]
@@ -65,20 +70,30 @@ def test_release_law_matches_the_exact_formula():
     assert law(r.scale, 1, r.threshold)[None] == pytest.approx(1.0 - r.budget.delta)
 
 
-def test_a_distinguisher_stays_within_epsilon_and_catches_half_the_noise():
+@pytest.mark.parametrize("seed", [None, 7])
+def test_a_distinguisher_stays_within_epsilon_and_catches_half_the_noise(seed):
     """Neighbours: a key counted 5 or 6 times (one document more). The event 'released at >= 7'
     has probability ratio e^(1/scale) = e^eps; Clopper-Pearson bounds over 40,000 draws each keep
-    the honest log-ratio below eps and put a mutant with half the scale (2 eps) above it."""
+    the honest log-ratio below eps and put a mutant with half the scale (2 eps) above it (OpenDP's
+    sampler and the keyed one)."""
     n, alpha = 40_000, 1e-7
 
     def lower_log_ratio(scale: float) -> float:
         r = ThresholdRelease(scale=scale, threshold=3)
-        hit = {c: sum(v is not None and v >= 7 for v in draws(r, c, n)) for c in (5, 6)}
+        hit = {c: sum(v is not None and v >= 7 for v in draws(r, c, n, seed)) for c in (5, 6)}
         return math.log(cp_lower(hit[6], n, alpha) / cp_upper(hit[5], n, alpha))
 
     eps = 0.5
     assert lower_log_ratio(1 / eps) <= eps  # honest
     assert lower_log_ratio(0.5 / eps) > eps  # half the noise: caught
+
+
+def test_the_keyed_release_is_a_function_of_its_generator():
+    r, counts = ThresholdRelease.calibrated(2.0, 1e-6), {f"k{i}": 9 for i in range(50)}
+    one, again, other = (r.keyed_release(counts, torch.Generator().manual_seed(s)) for s in (1, 1, 2))
+    assert one == again and one != other
+    with pytest.raises(ValueError, match="grid"):
+        ThresholdRelease(scale=1 / 3, threshold=3).keyed_release(counts, torch.Generator())
 
 
 def test_bad_inputs_are_refused():

@@ -34,7 +34,7 @@ import difflib
 import functools
 import re
 import unicodedata
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 WORD = re.compile(r"[^\W_]+")
 STOP_ZIPF = 5.5  # words at least this frequent (Zipf scale: the, of, is, am, ...) never decide a vote
@@ -106,15 +106,26 @@ def answer_key(answer: str, documents: Sequence[str], question: str, public: Ite
     if not voting:
         return None
     *_, at = min(voting)
+    start, end = run_at(found, at)
+    return " ".join(dict.fromkeys(found[start:end]))
+
+
+def run_at(found: Sequence[str | None], at: int, joins: Callable[[int, int], bool] | None = None) -> tuple[int, int]:
+    """``[start, end)`` of the key around ``found[at]`` (``found``: words, None where a word may
+    not vote): the voting neighbours rarer than ``RUN_ZIPF`` (or that ``joins(neighbour, inner)``
+    admits), then at most one number on each side."""
 
     def voting(i: int) -> bool:
         return 0 <= i < len(found) and found[i] is not None
 
+    def joined(i: int, inner: int) -> bool:
+        return voting(i) and (zipf(found[i]) < RUN_ZIPF or (joins is not None and joins(i, inner)))
+
     start, end = at, at + 1
-    while voting(start - 1) and zipf(found[start - 1]) < RUN_ZIPF:
+    while joined(start - 1, start):
         start -= 1
-    while voting(end) and zipf(found[end]) < RUN_ZIPF:
+    while joined(end, end - 1):
         end += 1
     start -= voting(start - 1) and found[start - 1].isdigit()  # one number each side: "14 quintember"
     end += voting(end) and found[end].isdigit()  # "september 14" (of "september 14 to 16", "14-16")
-    return " ".join(dict.fromkeys(found[start:end]))
+    return start, end

@@ -467,6 +467,7 @@ class Request:
     prompt: list[int]
     expected_prompt_tokens: int
     extra: dict = field(default_factory=dict)  # more request fields (vllm_xargs)
+    messages: list[dict] | None = None  # a chat request (/v1/chat/completions) instead of the prompt
 
 
 @dataclass(frozen=True)
@@ -480,6 +481,7 @@ class Row:
     server: Callable[[Bench, float | None, Sequence[dict]], Server]  # (bench, eps, its scenarios)
     request: Callable[[ChatLayout, dict, dict], Request]
     contexts_per_server: int | None = None  # split the scenarios over servers of at most this many contexts
+    sheets: bool = False  # request(layout, scenario, question, the scenario's released sheet text)
 
 
 def stock_server(bench: Bench, eps: float | None, scenarios: Sequence[dict]) -> Server:
@@ -532,6 +534,46 @@ def aggregate_server(mechanism: str, **settings: object) -> Callable[[Bench, flo
                       env=(("VLLM_PLUGINS", None),), dp=True)
 
     return server
+
+
+def fact_sheet_server(bench: Bench, eps: float | None, scenarios: Sequence[dict]) -> Server:
+    """``vllm-dp serve`` with a DP fact sheet (``dp_privacy.fact_sheet``) per scenario, released
+    once at eps per collection (each row its own ledger: every rerun releases anew)."""
+    assert eps is not None
+    name = f"fact-sheet-eps{eps:g}-{scenarios[0]['id']}"
+    section = {
+        "key_file": str(bench.work / "noise.key"),
+        "ledger_file": str(bench.work / f"ledger-{name}.jsonl"),
+        "fact_sheet": {"epsilon": eps, "delta": DELTA, "contexts": bench.collection_files(scenarios)},
+    }
+    (bench.work / f"ledger-{name}.jsonl").unlink(missing_ok=True)
+    config = bench.work / f"dp-{name}.json"
+    config.write_text(json.dumps({"dp_privacy": section}, indent=1))
+    return Server(cmd=(*VLLM_DP, "serve", bench.model, "--dp-config", str(config), *bench.engine_flags()),
+                  env=(("VLLM_PLUGINS", None),), dp=True)
+
+
+def fact_sheet_request(layout: ChatLayout, scenario: dict, q: dict, sheet: str | None = None) -> Request:
+    """The user turn as a chat request; the server puts the released sheet (``sheet``, from
+    ``/v1/dp/budget``) in its system turn, as the ``full`` row's documents."""
+    user = [{"role": "user", "content": q["q"]}]
+    served = user if sheet is None else [{"role": "system", "content": sheet}, *user]
+    ids = layout.tokenizer.apply_chat_template(served, tokenize=True, add_generation_prompt=True, return_dict=False)
+    return Request(list(ids), len(ids), {"vllm_xargs": {"dp_context": scenario["id"]}}, messages=user)
+
+
+def sheet_quality(scenarios: Sequence[dict], contexts: Sequence[dict]) -> dict:
+    """The released sheets against the scenarios: facts per collection, and the shared facts of
+    each support whose answer is on their collection's sheet (recall)."""
+    facts = {c["name"]: [f["fact"].lower() for f in c.get("facts", [])] for c in contexts}
+    found: dict[str, list[bool]] = {}
+    for s in scenarios:
+        for q in s["questions"]:
+            if q["kind"] == "shared":
+                hit = any(a.lower() in f for a in q["answers"] for f in facts.get(s["id"], []))
+                found.setdefault(str(q["support"]), []).append(hit)
+    return {"facts_per_collection": sum(len(v) for v in facts.values()) / max(1, len(facts)),
+            "recall": {k: sum(v) / len(v) for k, v in sorted(found.items(), key=lambda kv: int(kv[0]))}}
 
 
 def aggregate_request(layout: ChatLayout, scenario: dict, q: dict) -> Request:
@@ -596,6 +638,9 @@ ROWS: dict[str, Row] = {
     "aggregate_answer": Row("DP aggregation once per answer: one member per document answers, one DP partition "
                             "selection releases the fact enough members agree on, the model answers with it (unit: "
                             "one document, eps per query)", True, aggregate_server("answer"), aggregate_request),
+    "fact_sheet": Row("DP fact sheet: the facts many documents state, released once per collection (DP set union, "
+                      "unit: one document, eps per collection), served as a plain context; queries spend nothing",
+                      True, fact_sheet_server, fact_sheet_request, sheets=True),
 }
 
 
@@ -685,24 +730,31 @@ class RunningServer(vllm_lib.RunningServer):
         self.server = server
 
     def complete(self, model: str, request: Request, max_tokens: int) -> dict:
-        body = {"model": model, "prompt": request.prompt, "max_tokens": max_tokens, "temperature": 0.0,
-                **request.extra}
-        req = urllib.request.Request(self.base + "/v1/completions", data=json.dumps(body).encode(),
+        """The completion's JSON (a chat request's answer as ``choices[0].text``)."""
+        chat = request.messages is not None
+        body = {"model": model, "max_tokens": max_tokens, "temperature": 0.0, **request.extra,
+                **({"messages": request.messages} if chat else {"prompt": request.prompt})}
+        route = "/v1/chat/completions" if chat else "/v1/completions"
+        req = urllib.request.Request(self.base + route, data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(req, timeout=900) as response:
-                return json.loads(response.read())
+                out = json.loads(response.read())
         except urllib.error.HTTPError as exc:
-            raise RuntimeError(f"/v1/completions answered {exc.code}: {exc.read()[:2000]!r}") from None
+            raise RuntimeError(f"{route} answered {exc.code}: {exc.read()[:2000]!r}") from None
+        if chat:
+            out["choices"] = [{"text": c["message"]["content"] or ""} for c in out["choices"]]
+        return out
 
 
 def ask_all(bench: Bench, server: RunningServer, row: Row, scenarios: Sequence[dict], label: str,
-            progress=None, unserved: bool = False) -> tuple[list[Answer], float]:
+            progress=None, unserved: bool = False, sheets: dict | None = None) -> tuple[list[Answer], float]:
     """Every question of ``scenarios``, ``bench.concurrency`` in flight; (answers, wall s).
     ``unserved``: the server serves no context (every one out of regime), so it sees the
-    request's own tokens only."""
+    request's own tokens only; ``sheets``: scenario id -> its released fact sheet's text."""
     layout = bench.layout()
-    jobs = [(s, q, row.request(layout, s, q)) for s in scenarios for q in s["questions"]]
+    jobs = [(s, q, row.request(layout, s, q, *([sheets.get(s["id"])] if row.sheets else [])))
+            for s in scenarios for q in s["questions"]]
 
     def one(job) -> Answer:
         s, q, request = job
@@ -763,7 +815,7 @@ def run(bench: Bench, rows: Sequence[str], eps: Sequence[float], log=None,
     with contextlib.ExitStack() as up, tqdm(total=len(jobs), desc="rows", unit="row", position=0) as bar:
         for name, e in jobs:
             row, label = ROWS[name], name if e is None else f"{name} eps={e:g}"
-            answers, seconds = [], 0.0
+            answers, seconds, contexts = [], 0.0, []
             misfit = bench.misfit(row, bench.scenarios)
             if misfit is not None:
                 results.append(unfit(name, e, misfit))
@@ -780,9 +832,13 @@ def run(bench: Bench, rows: Sequence[str], eps: Sequence[float], log=None,
                     if payload["contexts"] and not answers:  # the statement of the row's first context
                         budgets.append({"row": name, "eps": e, **payload["contexts"][0]})
                     unserved = bool(payload["contexts"]) and all(c.get("releases") == 0 for c in payload["contexts"])
-                    got, wall = ask_all(bench, server, row, part, label, qbar, unserved)
+                    sheets = {c["name"]: c.get("context") for c in payload["contexts"]}
+                    contexts += payload["contexts"]
+                    got, wall = ask_all(bench, server, row, part, label, qbar, unserved, sheets)
                     answers, seconds = answers + got, seconds + wall
             result = summarize(name, e, answers, seconds)
+            if row.sheets:
+                result["sheet"] = sheet_quality(bench.scenarios, contexts)
             results.append(result)
             samples += [{"row": name, "eps": e, "scenario": a.scenario, "kind": a.kind,
                          "support": a.support, "correct": a.correct, "text": a.text}
@@ -926,7 +982,9 @@ def markdown(data: dict) -> str:
              "`none`: no context; `full`: the documents as plain text (exact attention); `dp_*`: the "
              "documents as the private context (DP attention), eps for the whole model per context, "
              f"delta = {DELTA:g}; eps = 1e7 leaves the kernel error alone; `aggregate_*`: DP aggregation "
-             "at the output over the documents as a collection (unit: one document), eps per query. "
+             "at the output over the documents as a collection (unit: one document), eps per query; "
+             "`fact_sheet`: a DP fact sheet released once per collection (unit: one document, eps per "
+             "collection), asked through the chat API. "
              "Seconds per answer: wall "
              f"time of the row's requests ({data['concurrency']} in flight) / questions, server start "
              "excluded."), "",
@@ -941,6 +999,16 @@ def markdown(data: dict) -> str:
             continue
         lines.append(f"| {r['row']} | {eps} | {shared} | {_pct(r['secret_leak_rate'])} | "
                      f"{_pct(r['public_accuracy'])} | {r['seconds_per_answer']:.3f} | {r['n_questions']} |")
+    sheets = [r for r in data["rows"] if r.get("sheet")]
+    if sheets:
+        recall = sorted({k for r in sheets for k in r["sheet"]["recall"]}, key=int)
+        lines += ["", ("Fact sheets (`fact_sheet` rows): facts released per collection, and the shared facts whose "
+                       "answer is on their collection's sheet (recall), by support:"), "",
+                  "| row | eps | facts per collection | " + " | ".join(f"recall, support {k}" for k in recall) + " |",
+                  "|---|---|---|" + "---|" * len(recall)]
+        for r in sheets:
+            lines.append(f"| {r['row']} | {r['eps']:g} | {r['sheet']['facts_per_collection']:.2f} | "
+                         + " | ".join(_pct(r["sheet"]["recall"].get(k)) for k in recall) + " |")
     if data.get("budgets"):
         lines += ["", "DP budget statements (`GET /v1/dp/budget`, first context):", "",
                   "| row | eps | context tokens | spent eps | guaranteed kernel error per layer | logit bound T (max) |",
@@ -950,6 +1018,10 @@ def markdown(data: dict) -> str:
                 per = b["per_query"]["worst_case"]
                 lines.append(f"| {b['row']} | {b['eps']:g} | (per query, unit one document) | {per['epsilon']:g} "
                              f"| - | - |")
+                continue
+            if b.get("mode") == "fact_sheet":
+                lines.append(f"| {b['row']} | {b['eps']:g} | (once per collection, unit one document) | "
+                             f"{b['release']['epsilon']:g} | - | - |")
                 continue
             kernel = b.get("kernel_error") or []
             logit = b.get("logit_bound") or []

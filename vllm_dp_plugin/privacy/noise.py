@@ -226,23 +226,28 @@ def _iid_rejection(m: int, propose, acceptance: float) -> torch.Tensor:
     return torch.cat(parts)[:m]
 
 
-def discrete_laplace(scale: int, m: int, generator: torch.Generator) -> torch.Tensor:
-    """``[m]`` int64 with P(y) proportional to exp(-|y| / scale), ``scale`` an integer in
-    [1, 2^40] (CKS Alg. 2): U uniform in [0, scale) kept with probability exp(-U / scale), plus
-    scale V with P(V = v) = (1 - 1/e) e^-v, a random sign, -0 rejected."""
+def discrete_laplace(scale: int | Fraction, m: int, generator: torch.Generator) -> torch.Tensor:
+    """``[m]`` int64 with P(y) proportional to exp(-|y| / scale), ``scale = t / s`` a positive
+    rational (an int, or a ``Fraction`` with t <= 2^40 and s <= 2^21) (CKS Alg. 2): U uniform in
+    [0, t) kept with probability exp(-U / t), plus t V with P(V = v) = (1 - 1/e) e^-v, divided by
+    s (floor), a random sign, -0 rejected."""
+    scale = Fraction(scale)
+    t, s = scale.numerator, scale.denominator
+    if not (0 < t <= 1 << 40 and s <= 1 << 21):
+        raise ValueError(f"discrete_laplace: scale {scale} = t/s needs 0 < t <= 2^40 and s <= 2^21")
 
     def propose(k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        t = torch.full((k,), scale, dtype=torch.int64, device=generator.device)
-        u = uniform_below(t, generator)
-        kept = _bernoulli_exp([(u, t)], generator)
-        one = torch.ones_like(t)
+        full = torch.full((k,), t, dtype=torch.int64, device=generator.device)
+        u = uniform_below(full, generator)
+        kept = _bernoulli_exp([(u, full)], generator)
+        one = torch.ones_like(full)
 
         def exp_minus_one(slots: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
             return _bernoulli_exp([(one[slots], one[slots])], generator)
 
         v = _successes(k, exp_minus_one, generator.device)
         negative = uniform_below(one + 1, generator) == 1
-        y = u + scale * v
+        y = torch.div(u + t * v, s, rounding_mode="floor")
         return torch.where(negative, -y, y), kept & ~(negative & (y == 0))
 
     return _iid_rejection(m, propose, acceptance=1 - math.exp(-1))

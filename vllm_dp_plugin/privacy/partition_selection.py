@@ -19,8 +19,15 @@ The statement is computed here from exact formulas, for add/remove of one contri
 for the same change, one step smaller than the release probability its sampler shows for a
 count of 1 (``tests/privacy/test_partition_selection.py`` measures both), so it is not used.)
 
-``ThresholdRelease.calibrated(epsilon, delta, l0)``: scale ``l0 / epsilon`` and the smallest
-threshold whose delta is at most ``delta``.
+``ThresholdRelease.calibrated(epsilon, delta, l0)``: scale ``l0 / epsilon`` rounded up to a
+multiple of ``2^-20`` (a rational the keyed sampler draws exactly; the statement is computed from
+the scale used, so its epsilon is at most the one asked for) and the smallest threshold whose
+delta is at most ``delta``.
+
+Two samplers, one law: ``release`` draws fresh noise with OpenDP's ``make_laplace_threshold``
+(a per-query release); ``keyed_release`` draws it from a caller's generator with the project's
+exact integer sampler (``noise.discrete_laplace``, CKS Alg. 2), so a one-shot release keyed by
+the deployment's secret key (a fact sheet) is reproduced exactly by a restart.
 """
 
 from __future__ import annotations
@@ -29,9 +36,15 @@ import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from fractions import Fraction
+
+import torch
 
 from .accountant import Budget
+from .noise import discrete_laplace
 from .validation import check_count, check_delta, check_epsilon, check_positive
+
+SCALE_GRID = 1 << 20  # calibrated scales are multiples of 1 / SCALE_GRID (exact rationals for the keyed sampler)
 
 
 @functools.lru_cache(maxsize=256)
@@ -50,6 +63,12 @@ def tail(scale: float, k: int) -> float:
     ``q^k / (1 + q)``, ``q = exp(-1 / scale)`` (float64)."""
     q = math.exp(-1.0 / scale)
     return q ** k / (1.0 + q)
+
+
+def _check_counts(counts: Mapping[str, int]) -> None:
+    for key, count in counts.items():
+        if not isinstance(key, str) or not isinstance(count, int) or isinstance(count, bool) or count < 0:
+            raise ValueError(f"counts must map str keys to ints >= 0, got {key!r}: {count!r}")
 
 
 @dataclass(frozen=True)
@@ -74,7 +93,7 @@ class ThresholdRelease:
         check_epsilon(epsilon, "epsilon")
         check_delta(delta, "delta")
         check_count(l0, "l0")
-        scale = l0 / epsilon
+        scale = math.ceil(l0 / epsilon * SCALE_GRID) / SCALE_GRID
         q = math.exp(-1.0 / scale)
         steps = max(1, math.ceil(scale * math.log(l0 / (delta * (1.0 + q))) - 1e-12))  # q^steps/(1+q) <= delta/l0
         while l0 * tail(scale, steps) > delta:  # rounding in the log's last place
@@ -89,12 +108,25 @@ class ThresholdRelease:
     def release(self, counts: Mapping[str, int]) -> dict[str, int]:
         """The keys whose noisy count reaches the threshold, with their noisy counts (fresh
         noise from OpenDP's generator). ``counts``: key -> contributors (ints >= 0)."""
-        for key, count in counts.items():
-            if not isinstance(key, str) or not isinstance(count, int) or isinstance(count, bool) or count < 0:
-                raise ValueError(f"counts must map str keys to ints >= 0, got {key!r}: {count!r}")
+        _check_counts(counts)
         return dict(_measurement(self.scale, self.threshold)(dict(counts)))
+
+    def keyed_release(self, counts: Mapping[str, int], generator: torch.Generator) -> dict[str, int]:
+        """As ``release``, the noise drawn exactly from ``generator`` (a keyed one: the same
+        generator and counts give the same release), one draw per key in sorted key order."""
+        _check_counts(counts)
+        keys = sorted(counts)
+        if not keys:
+            return {}
+        scale = Fraction(self.scale)
+        if scale.denominator > SCALE_GRID:
+            raise ValueError(f"keyed_release needs a scale on the 1/{SCALE_GRID} grid (ThresholdRelease.calibrated), "
+                             f"got {self.scale!r}")
+        noise = discrete_laplace(scale, len(keys), generator).tolist()
+        noisy = {k: counts[k] + z for k, z in zip(keys, noise, strict=True)}
+        return {k: v for k, v in noisy.items() if v >= self.threshold}
 
     def statement(self) -> str:
         b = self.budget
-        return (f"Laplace partition selection (exact discrete noise, OpenDP): scale {self.scale:.4g}, threshold "
+        return (f"Laplace partition selection (exact discrete noise): scale {self.scale:.4g}, threshold "
                 f"{self.threshold}, {self.l0} key(s) per contributor: ({b.epsilon:.4g}, {b.delta:.3g})-DP per release")

@@ -90,14 +90,15 @@ class ReleaseLedger:
         self.path = Path(path) if path is not None else default_ledger_path(key)
         self._key_label = key.label("ledger/key")
 
-    def register(self, subject: str, release: str, budget: Budget, unit: str, *, allow_rerelease: bool) -> History:
+    def register(self, subject: str, release: str, budget: Budget, unit: str, *, allow_rerelease: bool,
+                 setting: str = "attention.allow_rerelease") -> History:
         """Record release ``release`` of ``subject`` (both secret digests) spending ``budget``.
 
         Idempotent for a release already recorded (a restart, another worker). A new release of
         a recorded subject raises ``ReleaseRefused`` unless ``allow_rerelease``; then it is
         appended and the history's total composes both. A file holding entries written under
         another key raises ``ForeignEntries`` unless ``allow_rerelease`` (they may record this
-        subject's releases)."""
+        subject's releases). ``setting``: the configuration key that allows it (named in errors)."""
         subject_label = self._key.label("ledger/subject", subject)
         release_label = self._key.label("ledger/release", subject, release)
         with self._locked() as handle:
@@ -106,15 +107,15 @@ class ReleaseLedger:
                 raise ForeignEntries("release ledger", self.path, foreign, self._key,
                                      "whether a private context was already released cannot be read: serving it "
                                      "now may release it again under new noise, spending its budget again",
-                                     "attention.allow_rerelease")
+                                     setting)
             if any(e.release == release_label for e in entries):
                 return History(tuple(entries), foreign)
             if entries and not allow_rerelease:
                 raise ReleaseRefused(
                     f"this private context was already released {len(entries)} time(s) under other "
                     f"noise (ledger {self.path}): the noise key, the weights, or the release's "
-                    "parameters changed since. A new release spends the budget again; set "
-                    "`attention.allow_rerelease: true` to serve it anyway (the budget report then "
+                    f"parameters changed since. A new release spends the budget again; set "
+                    f"`{setting}: true` to serve it anyway (the budget report then "
                     "composes every release)"
                 )
             entry = LedgerEntry(self._key_label, subject_label, release_label, budget.epsilon, budget.delta,

@@ -36,7 +36,9 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from ..config import ConfigError
+from ..plan import release_fact_sheets
 from ..privacy.keyed_noise import NoiseKey
+from ..privacy.release_ledger import ReleaseLedger
 from ..prompt.session import (
     OPTION_CONTEXT,
     PromptRequest,
@@ -48,6 +50,8 @@ from ..prompt.session import (
 from .aggregate import ROUTES as AGGREGATE_ROUTES
 from .aggregate import AggregateService
 from .context import select_context
+from .fact_sheet import ROUTES as FACT_SHEET_ROUTES
+from .fact_sheet import FactSheetError, FactSheetService
 from .settings import (
     PLUGIN_NAME,
     ModelShape,
@@ -70,6 +74,7 @@ CONTEXT_POST = ("/v1/completions", "/v1/chat/completions", "/invocations", *HARM
 PROMPT_POST = (*CONTEXT_POST, "/v1/chat/completions/batch", "/v1/responses", "/v1/messages")
 ENCODER_POST = ("/v1/audio/transcriptions", "/v1/audio/translations", *HARMLESS_POST)
 AGGREGATE_POST = (*AGGREGATE_ROUTES, *HARMLESS_POST)
+FACT_SHEET_POST = (*FACT_SHEET_ROUTES, *HARMLESS_POST)  # a route not rewritten would answer without the sheet
 # GET routes closed while private prompts run through the engine (DP aggregation's members,
 # paraphrase rewrites): vLLM's counters (prompt tokens, prefix-cache hits) add up their lengths
 CLOSED_GET = ("/metrics",)
@@ -90,7 +95,8 @@ FORBIDDEN_FIELDS = {
 def allowed_post(features: frozenset[str]) -> frozenset[str]:
     """The POST routes open while ``features`` (of "context", "prompt", "encoder") are on: those
     every feature on can serve."""
-    routes = {"context": CONTEXT_POST, "prompt": PROMPT_POST, "encoder": ENCODER_POST, "aggregate": AGGREGATE_POST}
+    routes = {"context": CONTEXT_POST, "prompt": PROMPT_POST, "encoder": ENCODER_POST, "aggregate": AGGREGATE_POST,
+              "fact_sheet": FACT_SHEET_POST}
     return frozenset.intersection(*(frozenset(routes[f]) for f in features))
 
 
@@ -209,6 +215,14 @@ class PrivateContextGuard:
         service = getattr(state, "dp_aggregate", None)
         if service is not None and scope["path"] in AGGREGATE_ROUTES:
             return await (await service.handle(scope["path"], parsed, scope.get("headers", [])))(scope, receive, send)
+        sheets = getattr(state, "dp_fact_sheet", None)
+        if sheets is not None and scope["path"] in FACT_SHEET_ROUTES:
+            try:
+                body = json.dumps(sheets.rewrite(scope["path"], parsed), ensure_ascii=False).encode("utf-8")
+            except FactSheetError as exc:
+                return await _error(400, str(exc))(scope, receive, send)
+            scope = {**scope, "headers": [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-length"]
+                     + [(b"content-length", str(len(body)).encode("ascii"))]}
         if prompt_cfg is None and not contexts:
             return await self.app(scope, _replay(body, receive), send)
         overrides = option_overrides(parsed.get("vllm_xargs"))
@@ -312,6 +326,7 @@ class DPPrivacyEndpoints:
     async def init_state(self, engine_client, state, args) -> None:
         state.dp_budget, state.dp_guard, state.dp_prompt, state.dp_routes = {"enabled": False}, False, None, None
         state.dp_contexts, state.dp_aggregate, state.dp_counters_closed = (), None, False
+        state.dp_fact_sheet = None
         if engine_client is None:  # the CPU-only render server: no engine, nothing private
             return
         vllm_config = engine_client.vllm_config
@@ -328,6 +343,9 @@ class DPPrivacyEndpoints:
         if cfg.aggregate is not None:
             state.dp_aggregate = aggregate_service(engine_client, vllm_config, cfg, args)
             state.dp_budget = DynamicBudget(state.dp_aggregate.statement)
+        elif cfg.fact_sheet is not None:
+            state.dp_fact_sheet = fact_sheet_service(engine_client, cfg)
+            state.dp_budget = state.dp_fact_sheet.statement
         else:
             state.dp_budget = budget_payload(vllm_config)  # prompt privatization's statement included
         state.dp_guard = bool(features & {"context", "aggregate"})
@@ -356,10 +374,13 @@ async def paraphrase_refusal(engine_client) -> str | None:
 def dp_features(vllm_config, cfg) -> frozenset[str]:
     """Which DP features this server runs: "context" (a private context), "encoder" (DP
     cross-attention over each request's encoder output), "prompt" (prompt privatization),
-    "aggregate" (DP aggregation at the output over document collections)."""
+    "aggregate" (DP aggregation at the output over document collections), "fact_sheet" (DP fact
+    sheets served as plain contexts)."""
     features = set()
     if cfg.aggregate is not None:
         features.add("aggregate")
+    if cfg.fact_sheet is not None:
+        features.add("fact_sheet")
     if cfg.attention is not None:
         enc_dec = bool(getattr(vllm_config.model_config, "is_encoder_decoder", False))
         features.add("encoder" if enc_dec else "context")
@@ -382,6 +403,19 @@ def aggregate_service(engine_client, vllm_config, cfg, args) -> AggregateService
     logger.info("vllm-dp: DP aggregation over %d collection(s), %d members each (unit: one document)",
                 len(service.collections), cfg.aggregate.members)
     return service
+
+
+def fact_sheet_service(engine_client, cfg) -> FactSheetService:
+    """The DP fact sheets (``dp_privacy.fact_sheet``): every collection loaded (documents counted
+    with the served tokenizer) and released once, before the server answers anything."""
+    tokenizer = engine_client.get_tokenizer()
+    key = NoiseKey(cfg.key_file)
+    released = release_fact_sheets(cfg.fact_sheet, key, ReleaseLedger(key, cfg.ledger_file),
+                           lambda text: len(tokenizer.encode(text, add_special_tokens=False)))
+    for name, r in released.items():  # the sheet is public: its size may be logged
+        logger.info("vllm-dp: fact sheet of collection %r released: %d facts, %s", name, len(r.sheet.facts),
+                    r.history.to_json()["total_spent"])
+    return FactSheetService(cfg.fact_sheet, released)
 
 
 def check_log_stats(args, private: bool) -> None:

@@ -1,0 +1,125 @@
+"""Serving a DP fact sheet (``serving.fact_sheet``): requests get the released sheet as a plain
+context through the HTTP guard, nothing else changes; the statement (``/v1/dp/budget``, ``vllm-dp
+account``, ``vllm-dp release-facts``) from one code path; the release recorded once."""
+
+import json
+
+import pytest
+
+pytest.importorskip("fastapi")
+
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from tests.aggregate.test_facts import collection
+from vllm_dp_plugin.cli import main as cli
+from vllm_dp_plugin.config import DPPrivacyConfig
+from vllm_dp_plugin.plan import release_fact_sheets
+from vllm_dp_plugin.privacy.keyed_noise import NoiseKey
+from vllm_dp_plugin.privacy.release_ledger import ReleaseLedger, ReleaseRefused
+from vllm_dp_plugin.serving.fact_sheet import FactSheetError, FactSheetService
+from vllm_dp_plugin.serving.http import PrivateContextGuard, allowed_post
+
+
+def write_config(tmp_path, **settings) -> tuple:
+    docs = tmp_path / "ostravo.jsonl"
+    docs.write_text("".join(json.dumps({"id": f"d{i}", "text": t}) + "\n" for i, t in enumerate(collection())))
+    (tmp_path / "empty.jsonl").write_text(json.dumps({"id": "x", "text": "Nothing here."}) + "\n")
+    section = {"key_file": "noise.key", "ledger_file": "releases.jsonl",
+               "fact_sheet": {"contexts": {"ostravo": "ostravo.jsonl", "empty": "empty.jsonl"}, **settings}}
+    path = tmp_path / "dp.json"
+    path.write_text(json.dumps({"dp_privacy": section}))
+    return path
+
+
+def released(tmp_path, **settings):
+    from vllm_dp_plugin.config import parse_section, section_from_file
+
+    cfg = parse_section(section_from_file(write_config(tmp_path, **settings)))
+    key = NoiseKey(cfg.key_file)
+    return cfg, release_fact_sheets(cfg.fact_sheet, key, ReleaseLedger(key, cfg.ledger_file))
+
+
+def test_a_restart_serves_the_same_sheet_and_another_release_is_refused(tmp_path):
+    _, first = released(tmp_path)
+    assert first["ostravo"].sheet.lines and first["empty"].sheet.facts == ()
+    _, again = released(tmp_path)
+    assert again["ostravo"].sheet == first["ostravo"].sheet  # keyed noise: the same release
+    assert again["ostravo"].history.to_json()["releases_of_this_context"] == 1
+    with pytest.raises(ReleaseRefused, match="fact_sheet.allow_rerelease"):
+        released(tmp_path, epsilon=2.0)  # other settings: other noise over the same documents
+    _, both = released(tmp_path, epsilon=2.0, allow_rerelease=True)
+    assert both["ostravo"].history.total.epsilon == pytest.approx(6.0)  # composed
+
+
+def service(tmp_path) -> FactSheetService:
+    cfg, sheets = released(tmp_path)
+    return FactSheetService(cfg.fact_sheet, sheets)
+
+
+def test_chat_gets_the_sheet_as_its_system_turn(tmp_path):
+    s = service(tmp_path)
+    text = s.texts["ostravo"]
+    assert "Ostravo Foods — 3141" in text and "quendrix42" not in text
+    user = [{"role": "user", "content": "How many people work there?"}]
+    assert s.rewrite("/v1/chat/completions", {"messages": user})["messages"] == [
+        {"role": "system", "content": text}, *user]
+    own = [{"role": "system", "content": "Be brief."}, *user]
+    assert s.rewrite("/v1/chat/completions", {"messages": own})["messages"][0]["content"] == f"{text}\n\nBe brief."
+    assert s.rewrite("/v1/completions", {"prompt": ["a", "b"]})["prompt"] == [f"{text}\n\na", f"{text}\n\nb"]
+    empty = {"messages": user, "vllm_xargs": {"dp_context": "empty"}}
+    assert s.rewrite("/v1/chat/completions", empty) == {"messages": user, "vllm_xargs": {}}  # nothing released
+
+
+@pytest.mark.parametrize("path,body,match", [
+    ("/v1/completions", {"prompt": [1, 2, 3]}, "token ids"),
+    ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "vllm_xargs": {"dp_context": "nope"}},
+     "dp_context='nope' names no collection; served: empty, ostravo"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "vllm_xargs": {"dp_epsilon": 1}},
+     "vllm_xargs.dp_epsilon"),
+])
+def test_requests_the_sheet_cannot_serve_get_a_400_naming_the_field(tmp_path, path, body, match):
+    with pytest.raises(FactSheetError, match=match):
+        service(tmp_path).rewrite(path, body)
+
+
+def test_the_guard_forwards_the_rewritten_body(tmp_path):
+    s = service(tmp_path)
+    app = FastAPI()
+    app.add_middleware(PrivateContextGuard)
+    app.state.dp_guard, app.state.dp_routes, app.state.dp_fact_sheet = False, allowed_post(frozenset({"fact_sheet"})), s
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: dict):
+        return {"echoed_body": body}
+
+    client = TestClient(app)
+    body = {"messages": [{"role": "user", "content": "hi"}], "logprobs": True}  # public context: no field refused
+    got = client.post("/v1/chat/completions", json=body).json()["echoed_body"]
+    assert got["messages"][0] == {"role": "system", "content": s.texts["ostravo"]} and got["logprobs"] is True
+    bad = client.post("/v1/chat/completions", json={"messages": "x"})
+    assert bad.status_code == 400 and "messages" in bad.json()["error"]["message"]
+    assert client.post("/v1/responses", json={"input": "hi"}).status_code == 403  # would skip the sheet
+
+
+def test_budget_account_and_release_facts_state_one_release(tmp_path, capsys):
+    s = service(tmp_path)
+    report = s.statement["contexts"][0]
+    assert s.statement["mode"] == "fact_sheet" and report["per_query"] == {"epsilon": 0.0, "delta": 0.0}
+    assert report["release"]["epsilon"] == pytest.approx(4.0) and report["release"]["threshold"] == 9
+    assert report["context"] == s.texts["ostravo"] and len(report["facts"]) == 2
+    path = tmp_path / "dp.json"
+    assert cli(["release-facts", "--config", str(path)]) == 0  # recorded already: the same sheet
+    out = capsys.readouterr().out
+    assert "released facts (2): " in out and "Ostravo Foods — 3141" in out and "releases of this collection: 1" in out
+    assert cli(["account", "--config", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "DP fact sheet of collection 'ostravo'" in out and "per query: nothing" in out
+
+
+def test_fact_sheet_excludes_the_other_private_context_sections():
+    base = {"fact_sheet": {"contexts": {"a": "a.jsonl"}}}
+    for other in ({"aggregate": {"contexts": {"a": "a.jsonl"}}}, {"attention": {"epsilon": 1.0, "delta": 1e-6}}):
+        with pytest.raises(Exception, match="not .*fact_sheet"):
+            DPPrivacyConfig.from_dict({**base, **other})
