@@ -50,7 +50,9 @@ def test_the_sheet_shows_names_then_numbers():
     assert fact_line("3141 | ostravo foods") == "Ostravo Foods — 3141"
     sheet = FactSheet((("3141 | ostravo foods", 12),))
     assert sheet.system_text().endswith("\n- Ostravo Foods — 3141")
-    assert sheet.to_json() == [{"fact": "Ostravo Foods — 3141", "noisy_count": 12}]
+    assert sheet.to_json() == [{"fact": "Ostravo Foods — 3141", "key": "3141 | ostravo foods", "noisy_count": 12}]
+    assert FactSheet.from_json(sheet.to_json()) == sheet
+    assert sheet.about("How big is Ostravo?") == sheet and sheet.about("What is 7 + 5?").facts == ()
     assert FactSheet(()).system_text() is None
 
 

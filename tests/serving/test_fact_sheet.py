@@ -57,16 +57,21 @@ def service(tmp_path) -> FactSheetService:
     return FactSheetService(cfg.fact_sheet, sheets)
 
 
-def test_chat_gets_the_sheet_as_its_system_turn(tmp_path):
+def test_chat_gets_the_facts_about_its_question_as_its_system_turn(tmp_path):
     s = service(tmp_path)
-    text = s.texts["ostravo"]
-    assert "Ostravo Foods — 3141" in text and "quendrix42" not in text
-    user = [{"role": "user", "content": "How many people work there?"}]
+    text = s.sheets["ostravo"].system_text()
+    assert "Ostravo Foods — 3141" in text and "Glimmerbeck River" in text and "quendrix42" not in text
+    user = [{"role": "user", "content": "How many people work at Ostravo Foods?"}]
     assert s.rewrite("/v1/chat/completions", {"messages": user})["messages"] == [
-        {"role": "system", "content": text}, *user]
+        {"role": "system", "content": text}, *user]  # both facts name Ostravo Foods
+    river = s.rewrite("/v1/chat/completions", {"messages": [{"role": "user", "content": "Is the river deep?"}]})
+    assert river["messages"][0]["content"].endswith("\n- Glimmerbeck River — Ostravo Foods")  # that fact alone
     own = [{"role": "system", "content": "Be brief."}, *user]
     assert s.rewrite("/v1/chat/completions", {"messages": own})["messages"][0]["content"] == f"{text}\n\nBe brief."
-    assert s.rewrite("/v1/completions", {"prompt": ["a", "b"]})["prompt"] == [f"{text}\n\na", f"{text}\n\nb"]
+    prompts = ["Ostravo Foods: staff?", "and its river?"]
+    assert s.rewrite("/v1/completions", {"prompt": prompts})["prompt"] == [f"{text}\n\n{p}" for p in prompts]
+    public = {"messages": [{"role": "user", "content": "What is the capital of France?"}]}
+    assert s.rewrite("/v1/chat/completions", public) == public  # about nothing on the sheet: as asked
     empty = {"messages": user, "vllm_xargs": {"dp_context": "empty"}}
     assert s.rewrite("/v1/chat/completions", empty) == {"messages": user, "vllm_xargs": {}}  # nothing released
 
@@ -95,9 +100,10 @@ def test_the_guard_forwards_the_rewritten_body(tmp_path):
         return {"echoed_body": body}
 
     client = TestClient(app)
-    body = {"messages": [{"role": "user", "content": "hi"}], "logprobs": True}  # public context: no field refused
+    body = {"messages": [{"role": "user", "content": "Ostravo Foods?"}], "logprobs": True}  # public: nothing refused
     got = client.post("/v1/chat/completions", json=body).json()["echoed_body"]
-    assert got["messages"][0] == {"role": "system", "content": s.texts["ostravo"]} and got["logprobs"] is True
+    assert got["messages"][0] == {"role": "system", "content": s.sheets["ostravo"].system_text()}
+    assert got["logprobs"] is True
     bad = client.post("/v1/chat/completions", json={"messages": "x"})
     assert bad.status_code == 400 and "messages" in bad.json()["error"]["message"]
     assert client.post("/v1/responses", json={"input": "hi"}).status_code == 403  # would skip the sheet
@@ -108,7 +114,7 @@ def test_budget_account_and_release_facts_state_one_release(tmp_path, capsys):
     report = s.statement["contexts"][0]
     assert s.statement["mode"] == "fact_sheet" and report["per_query"] == {"epsilon": 0.0, "delta": 0.0}
     assert report["release"]["epsilon"] == pytest.approx(4.0) and report["release"]["threshold"] == 9
-    assert report["context"] == s.texts["ostravo"] and len(report["facts"]) == 2
+    assert report["context"] == s.sheets["ostravo"].system_text() and len(report["facts"]) == 2
     path = tmp_path / "dp.json"
     assert cli(["release-facts", "--config", str(path)]) == 0  # recorded already: the same sheet
     out = capsys.readouterr().out

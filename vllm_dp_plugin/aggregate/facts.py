@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from ..privacy.partition_selection import ThresholdRelease
-from .answer import ORDINAL, SENTENCE, STOP_ZIPF, THOUSANDS, WORD, run_at, zipf
+from .answer import ORDINAL, SENTENCE, STOP_ZIPF, THOUSANDS, WORD, run_at, words, zipf
 
 LABEL = re.compile(r"^\s*[^\W\d_][\w' -]{0,40}:\s+")  # "Memo: ", "Email to drivers: " (at most a few words)
 CLAUSE = re.compile(r"[,;:()\[\]]")
@@ -111,8 +111,18 @@ class FactSheet:
         """The plain system context serving the sheet (None: nothing released)."""
         return "\n".join([SHEET_HEADER, *(f"- {line}" for line in self.lines)]) if self.facts else None
 
+    def about(self, question: str) -> FactSheet:
+        """The facts sharing a not very common word with ``question`` (public text: a question
+        about nothing on the sheet gets no sheet, and answers as without the documents)."""
+        asked = {w for w in words(question) if zipf(w) < STOP_ZIPF}
+        return FactSheet(tuple(f for f in self.facts if asked & set(words(f[0]))))
+
     def to_json(self) -> list[dict]:
-        return [{"fact": line, "noisy_count": count} for line, (_, count) in zip(self.lines, self.facts, strict=True)]
+        return [{"fact": fact_line(key), "key": key, "noisy_count": count} for key, count in self.facts]
+
+    @classmethod
+    def from_json(cls, facts: list[dict]) -> FactSheet:
+        return cls(tuple((f["key"], f["noisy_count"]) for f in facts))
 
 
 def key_counts(documents: Sequence[str], limit: int) -> Counter:

@@ -73,6 +73,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from vllm_dp_plugin.aggregate.facts import FactSheet
 from vllm_dp_plugin.benchmarks.lib import vllm as vllm_lib
 from vllm_dp_plugin.benchmarks.lib.cli import DEFAULT_OUT, parse, today
 from vllm_dp_plugin.benchmarks.lib.environment import default_device, device_label
@@ -553,13 +554,23 @@ def fact_sheet_server(bench: Bench, eps: float | None, scenarios: Sequence[dict]
                   env=(("VLLM_PLUGINS", None),), dp=True)
 
 
-def fact_sheet_request(layout: ChatLayout, scenario: dict, q: dict, sheet: str | None = None) -> Request:
-    """The user turn as a chat request; the server puts the released sheet (``sheet``, from
-    ``/v1/dp/budget``) in its system turn, as the ``full`` row's documents."""
+def fact_sheet_request(layout: ChatLayout, scenario: dict, q: dict, sheet: FactSheet | None = None) -> Request:
+    """The user turn as a chat request; the server puts the released ``sheet``'s facts about the
+    question (``FactSheet.about``) in its system turn, as the ``full`` row's documents."""
+    text = None if sheet is None else sheet.about(q["q"]).system_text()
+    request = chat_request(layout, scenario, q, text)
+    return Request(request.prompt, request.expected_prompt_tokens, {"vllm_xargs": {"dp_context": scenario["id"]}},
+                   messages=request.messages)
+
+
+def chat_request(layout: ChatLayout, scenario: dict, q: dict, system: str | None = None) -> Request:
+    """The user turn as a chat request; the server renders it with its chat template (``system``:
+    the system turn the server adds, if any, for the prompt length it must report)."""
     user = [{"role": "user", "content": q["q"]}]
-    served = user if sheet is None else [{"role": "system", "content": sheet}, *user]
-    ids = layout.tokenizer.apply_chat_template(served, tokenize=True, add_generation_prompt=True, return_dict=False)
-    return Request(list(ids), len(ids), {"vllm_xargs": {"dp_context": scenario["id"]}}, messages=user)
+    served = user if system is None else [{"role": "system", "content": system}, *user]
+    ids = list(layout.tokenizer.apply_chat_template(served, tokenize=True, add_generation_prompt=True,
+                                                    return_dict=False))
+    return Request(ids, len(ids), messages=user)
 
 
 def sheet_quality(scenarios: Sequence[dict], contexts: Sequence[dict]) -> dict:
@@ -610,6 +621,8 @@ ROWS: dict[str, Row] = {
     "none": Row("no context: the user turn alone (stock vLLM)", False, stock_server, _plain(ChatLayout.none_ids)),
     "full": Row("the documents in plain text before the user turn (stock vLLM)", False, stock_server,
                 _plain(ChatLayout.full_ids)),
+    "none_chat": Row("no context, asked through the chat API (the template's default system turn, if any: the "
+                     "baseline of the chat rows, fact_sheet)", False, stock_server, chat_request),
     "dp_state": Row("DP attention, mode state (noisy kernelised state), default settings (public head, gate)",
                     True, dp_server("state"), dp_request),
     "dp_state_head": Row("DP attention, mode state, public head, gate off (every release read)", True,
@@ -832,7 +845,7 @@ def run(bench: Bench, rows: Sequence[str], eps: Sequence[float], log=None,
                     if payload["contexts"] and not answers:  # the statement of the row's first context
                         budgets.append({"row": name, "eps": e, **payload["contexts"][0]})
                     unserved = bool(payload["contexts"]) and all(c.get("releases") == 0 for c in payload["contexts"])
-                    sheets = {c["name"]: c.get("context") for c in payload["contexts"]}
+                    sheets = {c["name"]: FactSheet.from_json(c["facts"]) for c in payload["contexts"] if "facts" in c}
                     contexts += payload["contexts"]
                     got, wall = ask_all(bench, server, row, part, label, qbar, unserved, sheets)
                     answers, seconds = answers + got, seconds + wall

@@ -2,9 +2,10 @@
 
 At start-up every collection is loaded (documents over ``max_document_tokens`` refused) and its
 fact sheet released once (``plan.release_fact_sheets``: keyed noise, recorded in the release
-ledger). From then on nothing private is used: a chat request gets the sheet as its system turn
-(before the client's own system text, if any), a completion request gets it before its prompt,
-and vLLM answers it as any other request (streaming, logprobs and the rest work as usual). Queries
+ledger). From then on nothing private is used: a chat request gets the sheet's facts that share a
+not very common word with its last user turn (``FactSheet.about``: public text against public
+text; none, no sheet) as its system turn (before the client's own system text, if any), a
+completion request before its prompt, and vLLM answers it as any other request (streaming, logprobs and the rest work as usual). Queries
 spend nothing; ``/v1/dp/budget`` states the one release and shows the sheet.
 """
 
@@ -30,7 +31,7 @@ class FactSheetService:
 
     def __init__(self, cfg: FactSheetPrivacyConfig, released: dict[str, ReleasedSheet]):
         self.cfg, self.released = cfg, released
-        self.texts = {name: r.sheet.system_text() for name, r in released.items()}
+        self.sheets = {name: r.sheet for name, r in released.items()}
         self.statement = fact_sheet_statement(cfg, released)
 
     def rewrite(self, path: str, body: dict) -> dict:
@@ -41,17 +42,41 @@ class FactSheetService:
         unknown = sorted(k for k in xargs if k.startswith("dp_"))
         if unknown:
             raise FactSheetError(f"vllm_xargs.{unknown[0]} is not an option of the fact sheet (only {OPTION_CONTEXT})")
-        name = next(iter(self.texts)) if name is None else name
-        if name not in self.texts:
+        name = next(iter(self.sheets)) if name is None else name
+        if name not in self.sheets:
             raise FactSheetError(f"vllm_xargs.{OPTION_CONTEXT}={name!r} names no collection; served: "
-                                 f"{', '.join(sorted(self.texts))}")
+                                 f"{', '.join(sorted(self.sheets))}")
         body = {**body, "vllm_xargs": xargs} if "vllm_xargs" in body else dict(body)
-        text = self.texts[name]
-        if text is None:  # nothing released: the request as asked
+        chat = path.endswith("/chat/completions")
+        asked = question(body.get("messages")) if chat else prompt_text(body.get("prompt"))
+        text = self.sheets[name].about(asked).system_text()
+        if text is None:  # no released fact shares a word with the question: the request as asked
             return body
-        if path.endswith("/chat/completions"):
+        if chat:
             return {**body, "messages": with_system(body.get("messages"), text)}
         return {**body, "prompt": with_prefix(body.get("prompt"), text)}
+
+
+def question(messages) -> str:
+    """The last user turn's text (what the sheet's facts are matched against)."""
+    if not isinstance(messages, list) or not messages:
+        raise FactSheetError("messages must be a non-empty list")
+    for m in reversed(messages):
+        if isinstance(m, dict) and m.get("role") == "user":
+            content = m.get("content")
+            if isinstance(content, str):
+                return content
+            if isinstance(content, list):
+                return " ".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return ""
+
+
+def prompt_text(prompt) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        return " ".join(prompt)
+    raise FactSheetError("prompt must be text or a list of texts (token ids cannot be given the fact sheet)")
 
 
 def with_system(messages, text: str) -> list:
