@@ -129,3 +129,58 @@ def test_fact_sheet_excludes_the_other_private_context_sections():
     for other in ({"aggregate": {"contexts": {"a": "a.jsonl"}}}, {"attention": {"epsilon": 1.0, "delta": 1e-6}}):
         with pytest.raises(Exception, match="not .*fact_sheet"):
             DPPrivacyConfig.from_dict({**base, **other})
+
+
+def test_neighbouring_collections_look_the_same_but_for_the_dp_outputs(tmp_path, caplog):
+    """Collections that differ by one document (the secret's, a stating one) give the same
+    sheet keys at eps 4 (counts 12 vs 11 against threshold 9); what a client reads through the
+    guard (bodies for a shared, a secret and a public question, error texts, the statement less
+    its noisy counts and ledger time) is identical. The engine sees only the sheet's text, so its
+    timing, /metrics and prefix cache see the same prompts too."""
+    import logging
+
+    def view(docs: list[str], where) -> dict:
+        where.mkdir()
+        write_config(where)  # the configuration; the collection replaced by ``docs``
+        (where / "ostravo.jsonl").write_text("".join(json.dumps({"id": f"d{i}", "text": t}) + "\n"
+                                                     for i, t in enumerate(docs)))
+        from vllm_dp_plugin.config import parse_section, section_from_file
+
+        cfg = parse_section(section_from_file(where / "dp.json"))
+        key = NoiseKey(tmp_path / "shared.key")  # one deployment key for both
+        sheets = release_fact_sheets(cfg.fact_sheet, key, ReleaseLedger(key, where / "releases.jsonl"))
+        s = FactSheetService(cfg.fact_sheet, sheets)
+        app = FastAPI()
+        app.add_middleware(PrivateContextGuard)
+        app.state.dp_guard, app.state.dp_routes, app.state.dp_fact_sheet = False, allowed_post(
+            frozenset({"fact_sheet"})), s
+
+        @app.post("/v1/chat/completions")
+        async def chat(body: dict):
+            return {"echoed_body": body}
+
+        client = TestClient(app)
+        out = {}
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            for q in ("How many people work at Ostravo Foods?", "What is the vault code?", "Capital of France?"):
+                r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": q}]})
+                messages = r.json()["echoed_body"]["messages"]  # lines ordered by noisy count: a DP output
+                out[q] = (r.status_code, [sorted(m["content"].splitlines()) for m in messages])
+            bad = client.post("/v1/chat/completions", json={"messages": "x"})
+            out["error"] = (bad.status_code, bad.json())
+        out["log"] = [r.getMessage() for r in caplog.records]
+        statement = json.loads(json.dumps(s.statement))
+        for c in statement["contexts"]:
+            for f in c.get("facts", []):
+                f.pop("noisy_count")  # a DP output, as the order it gives the facts and the context's lines
+            c["facts"] = sorted(c.get("facts", []), key=str)
+            c["context"] = sorted((c.get("context") or "").splitlines())
+            c.pop("ledger", None)  # its release time
+        out["statement"] = statement
+        return out
+
+    docs = collection()
+    base = view(docs, tmp_path / "a")
+    assert view([d for d in docs if "quendrix42" not in d], tmp_path / "b") == base  # the secret's document
+    assert view(docs[1:], tmp_path / "c") == base  # a document stating both facts

@@ -539,7 +539,7 @@ def aggregate_server(mechanism: str, **settings: object) -> Callable[[Bench, flo
 
 def fact_sheet_server(bench: Bench, eps: float | None, scenarios: Sequence[dict]) -> Server:
     """``vllm-dp serve`` with a DP fact sheet (``dp_privacy.fact_sheet``) per scenario, released
-    once at eps per collection (each row its own ledger: every rerun releases anew)."""
+    once at eps per collection (each row its own ledger; a rerun is the same keyed release)."""
     assert eps is not None
     name = f"fact-sheet-eps{eps:g}-{scenarios[0]['id']}"
     section = {
@@ -547,7 +547,6 @@ def fact_sheet_server(bench: Bench, eps: float | None, scenarios: Sequence[dict]
         "ledger_file": str(bench.work / f"ledger-{name}.jsonl"),
         "fact_sheet": {"epsilon": eps, "delta": DELTA, "contexts": bench.collection_files(scenarios)},
     }
-    (bench.work / f"ledger-{name}.jsonl").unlink(missing_ok=True)
     config = bench.work / f"dp-{name}.json"
     config.write_text(json.dumps({"dp_privacy": section}, indent=1))
     return Server(cmd=(*VLLM_DP, "serve", bench.model, "--dp-config", str(config), *bench.engine_flags()),

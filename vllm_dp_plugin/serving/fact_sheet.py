@@ -79,10 +79,9 @@ def prompt_text(prompt) -> str:
     raise FactSheetError("prompt must be text or a list of texts (token ids cannot be given the fact sheet)")
 
 
-def with_system(messages, text: str) -> list:
-    """``messages`` with ``text`` first in the system turn (the client's system text after it)."""
-    if not isinstance(messages, list) or not messages:
-        raise FactSheetError("messages must be a non-empty list")
+def with_system(messages: list, text: str) -> list:
+    """``messages`` (checked by ``question``) with ``text`` first in the system turn (the
+    client's system text after it)."""
     first = messages[0]
     if isinstance(first, dict) and first.get("role") in ("system", "developer"):
         content = first.get("content")
@@ -94,10 +93,6 @@ def with_system(messages, text: str) -> list:
     return [{"role": "system", "content": text}, *messages]
 
 
-def with_prefix(prompt, text: str):
-    """A completion ``prompt`` (text, or a list of texts) with ``text`` before it."""
-    if isinstance(prompt, str):
-        return f"{text}\n\n{prompt}"
-    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        return [f"{text}\n\n{p}" for p in prompt]
-    raise FactSheetError("prompt must be text or a list of texts (token ids cannot be given the fact sheet)")
+def with_prefix(prompt: str | list[str], text: str) -> str | list[str]:
+    """A completion ``prompt`` (checked by ``prompt_text``) with ``text`` before it."""
+    return f"{text}\n\n{prompt}" if isinstance(prompt, str) else [f"{text}\n\n{p}" for p in prompt]
