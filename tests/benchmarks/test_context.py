@@ -9,7 +9,25 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm_dp_plugin.benchmarks import context as bench
+from vllm_dp_plugin.benchmarks.context import kept_rows, running
+from vllm_dp_plugin.benchmarks.context.report import markdown, plot
+from vllm_dp_plugin.benchmarks.context.rows import ROWS, dp_request
+from vllm_dp_plugin.benchmarks.context.running import Bench, jobs_of, run, server_parts
+from vllm_dp_plugin.benchmarks.context.scenarios import (
+    SUPPORTS,
+    make_scenario,
+    make_scenarios,
+    write_scenarios,
+)
+from vllm_dp_plugin.benchmarks.context.scoring import ROW_KEYS, Answer, summarize, unfit
+from vllm_dp_plugin.benchmarks.context.speed import answer_speed_markdown
+from vllm_dp_plugin.benchmarks.lib.scenarios import (
+    DEFAULT_SCENARIOS,
+    ChatLayout,
+    check_scenario,
+    is_correct,
+    load_scenarios,
+)
 from vllm_dp_plugin.cli import main
 
 
@@ -22,16 +40,16 @@ def demo_model(tmp_path_factory):
 
 # --------------------------------------------------------------------------- generator
 def test_generator_is_deterministic_in_its_seed():
-    assert bench.make_scenarios(3, seed=5) == bench.make_scenarios(3, seed=5)
-    assert bench.make_scenarios(3, seed=5) != bench.make_scenarios(3, seed=6)
+    assert make_scenarios(3, seed=5) == make_scenarios(3, seed=5)
+    assert make_scenarios(3, seed=5) != make_scenarios(3, seed=6)
 
 
 def test_generated_facts_are_stated_by_exactly_their_support():
-    for s in bench.make_scenarios(12, seed=1):
+    for s in make_scenarios(12, seed=1):
         docs = [d.lower() for d in s["documents"]]
         kinds = [q["kind"] for q in s["questions"]]
         assert kinds.count("secret") == 1 and kinds.count("public") >= 1
-        assert sorted(q["support"] for q in s["questions"] if q["kind"] == "shared") == list(bench.SUPPORTS)
+        assert sorted(q["support"] for q in s["questions"] if q["kind"] == "shared") == list(SUPPORTS)
         assert 20 <= len(docs) <= 30
         for doc in s["documents"]:  # a label and 1-2 short sentences
             assert 1 <= len(re.findall(r"[.!?](?:\s|$)", doc)) <= 2 and not re.search(r"\d", doc.split(":")[0])
@@ -42,32 +60,32 @@ def test_generated_facts_are_stated_by_exactly_their_support():
                 assert q["support"] == 0
                 continue
             assert len(stating) == len(mentioning) == q["support"], (s["id"], q)
-            assert q["support"] == 1 if q["kind"] == "secret" else q["support"] in bench.SUPPORTS
+            assert q["support"] == 1 if q["kind"] == "secret" else q["support"] in SUPPORTS
             assert q["answers"][0].lower() not in q["q"].lower()  # the question does not give it away
 
 
 def test_bundled_scenarios_are_the_generators_seed_0():
-    scenarios = bench.load_scenarios(bench.DEFAULT_SCENARIOS)
+    scenarios = load_scenarios(DEFAULT_SCENARIOS)
     assert len(scenarios) == 24
-    assert scenarios == bench.make_scenarios(24, seed=0)
+    assert scenarios == make_scenarios(24, seed=0)
 
 
 def test_check_scenario_refuses_a_wrong_support(tmp_path):
-    s = bench.make_scenarios(1, seed=2)[0]
+    s = make_scenarios(1, seed=2)[0]
     shared = next(q for q in s["questions"] if q["support"] == 3)
     shared["support"] = 10
     with pytest.raises(ValueError, match="stated by 3 documents"):
-        bench.check_scenario(s)
+        check_scenario(s)
     bad = tmp_path / "dup.jsonl"
-    bench.write_scenarios([bench.make_scenarios(1, seed=2)[0]] * 2, bad)
+    write_scenarios([make_scenarios(1, seed=2)[0]] * 2, bad)
     with pytest.raises(ValueError, match="duplicate"):
-        bench.load_scenarios(bad)
+        load_scenarios(bad)
 
 
 def test_make_scenarios_option_writes_a_loadable_file(tmp_path):
     out = tmp_path / "s.jsonl"
     assert main(["bench", "context", "--make-scenarios", str(out), "--count", "3", "--seed", "4"]) == 0
-    assert bench.load_scenarios(out) == bench.make_scenarios(3, seed=4)
+    assert load_scenarios(out) == make_scenarios(3, seed=4)
 
 
 # --------------------------------------------------------------------------- scorer
@@ -82,21 +100,21 @@ class WordTokenizer:
 
 
 def test_scorer_is_a_case_insensitive_substring_within_32_tokens():
-    assert bench.is_correct("The CEO is Talven ORSK.", ["Orsk"])
-    assert bench.is_correct("It has 4,817 staff", ["4817", "4,817"])
-    assert not bench.is_correct("It has 4817 staff", ["Orsk"])
+    assert is_correct("The CEO is Talven ORSK.", ["Orsk"])
+    assert is_correct("It has 4,817 staff", ["4817", "4,817"])
+    assert not is_correct("It has 4817 staff", ["Orsk"])
     late = " ".join(["word"] * 32 + ["Orsk"])
-    assert bench.is_correct(late, ["orsk"])  # a completion is already at most 32 tokens long
-    assert not bench.is_correct(late, ["orsk"], tokenizer=WordTokenizer())
-    assert bench.is_correct(" ".join(["word"] * 31 + ["Orsk"]), ["orsk"], tokenizer=WordTokenizer())
+    assert is_correct(late, ["orsk"])  # a completion is already at most 32 tokens long
+    assert not is_correct(late, ["orsk"], tokenizer=WordTokenizer())
+    assert is_correct(" ".join(["word"] * 31 + ["Orsk"]), ["orsk"], tokenizer=WordTokenizer())
 
 
 def test_summary_rows_have_exactly_the_schema_keys():
-    A = bench.Answer
+    A = Answer
     answers = [A("s0", "shared", 3, True, "", 1), A("s0", "shared", 3, False, "", 1), A("s0", "shared", 20, True, "", 1),
                A("s0", "secret", 1, True, "", 1), A("s0", "public", 0, False, "", 1), A("s1", "public", 0, True, "", 1)]
-    row = bench.summarize("dp_state", 8.0, answers, 3.0)
-    assert tuple(row) == bench.ROW_KEYS
+    row = summarize("dp_state", 8.0, answers, 3.0)
+    assert tuple(row) == ROW_KEYS
     assert row["shared_accuracy"] == {"3": 0.5, "20": 1.0}
     assert row["secret_leak_rate"] == 1.0 and row["public_accuracy"] == 0.5
     assert row["seconds_per_answer"] == 0.5 and row["n_questions"] == 6
@@ -126,8 +144,8 @@ def test_every_row_sees_the_same_tokens_as_full(demo_model, template):
         tok._tokenizer.post_processor = processors.TemplateProcessing(
             single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", tok.bos_token_id)])
         assert added_bos(tok) == tok.bos_token_id
-    layout = bench.ChatLayout(tok)
-    s = bench.make_scenarios(1, seed=3)[0]
+    layout = ChatLayout(tok)
+    s = make_scenarios(1, seed=3)[0]
     q = s["questions"][0]["q"]
     ctx_text = layout.context_text(s["documents"])
     ctx = tokenize_context(ctx_text, tok)
@@ -145,25 +163,25 @@ def test_every_row_sees_the_same_tokens_as_full(demo_model, template):
         assert none == full[len(full) - len(none):]
     else:  # the user turn after the BOS the tokenizer adds
         assert none[0] == tok.bos_token_id and none[1:] == full[len(full) - len(none) + 1:]
-    dp = bench.dp_request(layout, s, s["questions"][0])
+    dp = dp_request(layout, s, s["questions"][0])
     assert dp.extra == {"vllm_xargs": {"dp_context": s["id"]}} and dp.expected_prompt_tokens == len(full)
 
 
 def test_row_registry_jobs_and_servers(tmp_path, monkeypatch):
-    assert bench.jobs_of(["none", "full", "dp_state"], [8.0, 1e7]) == [
+    assert jobs_of(["none", "full", "dp_state"], [8.0, 1e7]) == [
         ("none", None), ("full", None), ("dp_state", 8.0), ("dp_state", 1e7)]
     with pytest.raises(SystemExit, match="unknown row"):
-        bench.jobs_of(["nope"], [8.0])
-    b = bench.Bench("m", bench.make_scenarios(2, seed=0), tmp_path, tmp_path / "cache")
-    monkeypatch.setattr(bench.Bench, "engine_flags", lambda self: ["--engine"])
+        jobs_of(["nope"], [8.0])
+    b = Bench("m", make_scenarios(2, seed=0), tmp_path, tmp_path / "cache")
+    monkeypatch.setattr(Bench, "engine_flags", lambda self: ["--engine"])
     both = b.scenarios
-    assert bench.ROWS["none"].server(b, None, both) == bench.ROWS["full"].server(b, None, both)  # one stock server
-    assert dict(bench.ROWS["none"].server(b, None, both).env)["VLLM_PLUGINS"] == ""
-    monkeypatch.setattr(bench.Bench, "calibration", lambda self: tmp_path / "cal.json")
-    monkeypatch.setattr(bench.Bench, "context_files",
+    assert ROWS["none"].server(b, None, both) == ROWS["full"].server(b, None, both)  # one stock server
+    assert dict(ROWS["none"].server(b, None, both).env)["VLLM_PLUGINS"] == ""
+    monkeypatch.setattr(Bench, "calibration", lambda self: tmp_path / "cal.json")
+    monkeypatch.setattr(Bench, "context_files",
                         lambda self, scenarios: {s["id"]: str(tmp_path / f"{s['id']}.txt") for s in scenarios})
     for eps, composition in ((8.0, "pld"), (1e7, "basic")):
-        server = bench.ROWS["dp_tree"].server(b, eps, both)
+        server = ROWS["dp_tree"].server(b, eps, both)
         assert server.dp and "--dp-config" in server.cmd
         cfg = json.loads((tmp_path / f"dp-tree-eps{eps:g}-degree=1-s000.json").read_text())["dp_privacy"]
         att = cfg["attention"]
@@ -173,14 +191,14 @@ def test_row_registry_jobs_and_servers(tmp_path, monkeypatch):
 
 
 def test_rows_of_one_mode_get_their_own_config_and_ledger_and_document_rows_their_collections(tmp_path, monkeypatch):
-    b = bench.Bench("m", bench.make_scenarios(2, seed=0), tmp_path, tmp_path / "cache")
-    monkeypatch.setattr(bench.Bench, "engine_flags", lambda self: ["--engine"])
-    monkeypatch.setattr(bench.Bench, "calibration", lambda self: tmp_path / "cal.json")
-    monkeypatch.setattr(bench.Bench, "context_files",
+    b = Bench("m", make_scenarios(2, seed=0), tmp_path, tmp_path / "cache")
+    monkeypatch.setattr(Bench, "engine_flags", lambda self: ["--engine"])
+    monkeypatch.setattr(Bench, "calibration", lambda self: tmp_path / "cal.json")
+    monkeypatch.setattr(Bench, "context_files",
                         lambda self, scenarios: {s["id"]: str(tmp_path / f"{s['id']}.txt") for s in scenarios})
     configs = {}
     for row in ("dp_state", "dp_state_head", "dp_state_bare", "dp_state_doc"):
-        server = bench.ROWS[row].server(b, 8.0, b.scenarios)
+        server = ROWS[row].server(b, 8.0, b.scenarios)
         configs[row] = json.loads(Path(server.cmd[server.cmd.index("--dp-config") + 1]).read_text())["dp_privacy"]
     assert len({c["ledger_file"] for c in configs.values()}) == 4
     assert configs["dp_state_bare"]["attention"]["public_head"] == 0 and configs["dp_state_head"]["attention"]["gate"] is False
@@ -192,37 +210,37 @@ def test_servers_take_the_models_length_and_a_row_that_cannot_fit_is_recorded_no
                                                                                        monkeypatch):
     from vllm_dp_plugin.serving.memory import kv_cache_bytes
 
-    scenarios = bench.make_scenarios(2, seed=0)
-    b = bench.Bench(str(demo_model), scenarios, tmp_path, tmp_path / "cache", max_tokens=8, concurrency=3)
+    scenarios = make_scenarios(2, seed=0)
+    b = Bench(str(demo_model), scenarios, tmp_path, tmp_path / "cache", max_tokens=8, concurrency=3)
     assert b.max_model_len == 8192  # the demo model's own maximum (max_position_embeddings)
     flags = b.engine_flags()
     longest = max(len(b.layout().full_ids(s["documents"], q["q"])) for s in scenarios for q in s["questions"])
     assert flags[flags.index("--max-model-len") + 1] == "8192" and "--gpu-memory-utilization" not in flags
     assert int(flags[flags.index("--kv-cache-memory-bytes") + 1]) == kv_cache_bytes(
         str(demo_model), 8192, 3, tokens=longest + 8)
-    assert bench.ROWS["none"].server(b, None, scenarios) == bench.ROWS["full"].server(b, None, scenarios)
-    assert b.misfit(bench.ROWS["full"], scenarios) is None
+    assert ROWS["none"].server(b, None, scenarios) == ROWS["full"].server(b, None, scenarios)
+    assert b.misfit(ROWS["full"], scenarios) is None
     huge = [{**scenarios[0], "documents": [*scenarios[0]["documents"], "word " * 9000]}]
-    b = bench.Bench(str(demo_model), huge, tmp_path, tmp_path / "cache", max_tokens=8)
-    assert b.misfit(bench.ROWS["none"], huge) is None  # the user turn alone
-    assert b.misfit(bench.ROWS["full"], huge).startswith("does not fit: a request needs ")
-    monkeypatch.setattr(bench, "RunningServer", None)  # no server may start
-    results, _, _ = bench.run(b, ["full"], [], log=lambda *_: None)
-    assert results == [bench.unfit("full", None, b.misfit(bench.ROWS["full"], huge))]
-    lines = bench.markdown({"rows": results, "question_counts": {"shared": 1, "secret": 1, "public": 1},
+    b = Bench(str(demo_model), huge, tmp_path, tmp_path / "cache", max_tokens=8)
+    assert b.misfit(ROWS["none"], huge) is None  # the user turn alone
+    assert b.misfit(ROWS["full"], huge).startswith("does not fit: a request needs ")
+    monkeypatch.setattr(running, "RunningServer", None)  # no server may start
+    results, _, _ = run(b, ["full"], [], log=lambda *_: None)
+    assert results == [unfit("full", None, b.misfit(ROWS["full"], huge))]
+    lines = markdown({"rows": results, "question_counts": {"shared": 1, "secret": 1, "public": 1},
                             "device": "cpu", "date": "d", "command": "c", "model": "m", "scenarios": "s",
                             "n_scenarios": 1, "max_tokens": 8, "concurrency": 1}).splitlines()
     assert any(line.startswith("| full |  | does not fit: ") for line in lines)
-    bench.plot({"rows": results, "model": "m", "device": "cpu", "question_counts_by_support": {}},
+    plot({"rows": results, "model": "m", "device": "cpu", "question_counts_by_support": {}},
                tmp_path / "p.png")
 
 
 def test_rows_split_scenarios_over_servers():
-    scenarios = bench.make_scenarios(7, seed=0)
-    tree, state = bench.ROWS["dp_tree"], bench.ROWS["dp_state"]
-    parts = bench.server_parts(tree, scenarios)
+    scenarios = make_scenarios(7, seed=0)
+    tree, state = ROWS["dp_tree"], ROWS["dp_state"]
+    parts = server_parts(tree, scenarios)
     assert [len(p) for p in parts] == [2, 2, 2, 1] and [s for p in parts for s in p] == scenarios
-    assert bench.server_parts(state, scenarios) == [scenarios]
+    assert server_parts(state, scenarios) == [scenarios]
 
 
 def test_append_keeps_rows_not_measured_again(tmp_path):
@@ -232,13 +250,13 @@ def test_append_keeps_rows_not_measured_again(tmp_path):
            "rows": [row, {"row": "dp_state", "eps": 8.0}], "budgets": [{"row": "dp_state", "eps": 8.0}],
            "sample_answers": [{"row": "none", "eps": None, "text": "x"}]}
     path = tmp_path / "r.json"
-    assert bench.kept_rows(None, "m", scenarios, 32, [])["rows"] == []
-    assert bench.kept_rows(path, "m", scenarios, 32, [])["rows"] == []  # nothing yet
+    assert kept_rows(None, "m", scenarios, 32, [])["rows"] == []
+    assert kept_rows(path, "m", scenarios, 32, [])["rows"] == []  # nothing yet
     path.write_text(json.dumps(old))
-    kept = bench.kept_rows(path, "m", scenarios, 32, [("dp_state", 8.0), ("dp_tree", 8.0)])
+    kept = kept_rows(path, "m", scenarios, 32, [("dp_state", 8.0), ("dp_tree", 8.0)])
     assert kept == {"rows": [row], "budgets": [], "sample_answers": old["sample_answers"], "commands": ["first"]}
     with pytest.raises(SystemExit, match="max_tokens"):
-        bench.kept_rows(path, "m", scenarios, 8, [])
+        kept_rows(path, "m", scenarios, 8, [])
 
 
 # --------------------------------------------------------------------------- end to end
@@ -251,11 +269,11 @@ def test_quick_run_none_and_full_on_the_demo_model(demo_model, tmp_path):
     data = json.loads(result.read_text())
     assert {"model", "device", "date", "scenarios", "rows"} <= set(data)
     assert [(r["row"], r["eps"]) for r in data["rows"]] == [("none", None), ("full", None)]
-    n = sum(len(s["questions"]) for s in bench.load_scenarios(bench.DEFAULT_SCENARIOS)[:2])
+    n = sum(len(s["questions"]) for s in load_scenarios(DEFAULT_SCENARIOS)[:2])
     for row in data["rows"]:
-        assert tuple(row) == bench.ROW_KEYS
+        assert tuple(row) == ROW_KEYS
         assert row["n_questions"] == n and row["seconds_per_answer"] > 0
-        assert set(row["shared_accuracy"]) == {str(s) for s in bench.SUPPORTS}
+        assert set(row["shared_accuracy"]) == {str(s) for s in SUPPORTS}
         assert all(0 <= v <= 1 for v in [*row["shared_accuracy"].values(), row["secret_leak_rate"],
                                           row["public_accuracy"]])
     assert result.with_suffix(".md").exists() and result.with_suffix(".png").exists()
@@ -268,24 +286,24 @@ def test_markdown_fills_every_field():
     data = {"device": "cpu-2core", "date": "2026-11-26", "command": "vllm-dp bench context", "model": "m",
             "scenarios": "s.jsonl", "n_scenarios": 1, "question_counts": {"shared": 2, "secret": 1, "public": 4},
             "max_tokens": 32, "concurrency": 8, "rows": [row], "budgets": []}
-    text = bench.markdown(data)
+    text = markdown(data)
     assert "{" not in text and "Greedy, 32 tokens" in text and "| none |  | 0.00 | 0.50 | 0.00 | 1.00 |" in text
 
 
 def test_the_answer_row_serves_mechanism_answer_and_its_speed_table_compares_with_full(tmp_path, monkeypatch):
     from vllm_dp_plugin.config import DPPrivacyConfig
 
-    b = bench.Bench("m", bench.make_scenarios(2, seed=0), tmp_path, tmp_path / "cache")
-    monkeypatch.setattr(bench.Bench, "engine_flags", lambda self: ["--engine"])
-    server = bench.ROWS["aggregate_answer"].server(b, 4.0, b.scenarios)
+    b = Bench("m", make_scenarios(2, seed=0), tmp_path, tmp_path / "cache")
+    monkeypatch.setattr(Bench, "engine_flags", lambda self: ["--engine"])
+    server = ROWS["aggregate_answer"].server(b, 4.0, b.scenarios)
     config = server.cmd[server.cmd.index("--dp-config") + 1]
     section = json.loads(Path(config).read_text())
     assert DPPrivacyConfig.from_dict(section["dp_privacy"]).aggregate.mechanism == "answer"
-    assert len(bench.make_scenario(random.Random(7), 0, extra_docs=180)["documents"]) == 200
+    assert len(make_scenario(random.Random(7), 0, extra_docs=180)["documents"]) == 200
     rows = [{"documents": 21, "row": "full", "eps": None, "s_per_answer": 1.0, "correct": 5, "questions": 7},
             {"documents": 21, "row": "aggregate_answer", "eps": 4.0, "s_per_answer": 2.5, "correct": 4,
              "questions": 7},
             {"documents": 200, "row": "full", "eps": None, "s_per_answer": None, "note": "does not fit"}]
-    text = bench.answer_speed_markdown({"model": "m", "device": "cpu", "date": "d", "command": "c", "eps": 4.0,
+    text = answer_speed_markdown({"model": "m", "device": "cpu", "date": "d", "command": "c", "eps": 4.0,
                                         "rows": rows})
     assert "| 21 | aggregate_answer | 2.50 | 2.5 | 4 of 7 |" in text and "| 200 | full | does not fit |" in text

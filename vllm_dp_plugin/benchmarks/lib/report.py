@@ -21,6 +21,14 @@ def suffixed(stem: Path, suffix: str) -> Path:
     return stem.with_name(stem.name + suffix)
 
 
+def shown(path: Path) -> str:
+    """``path`` relative to the working directory when it is under it (as a result file states it)."""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
 def fmt(x, digits: int = 3) -> str:
     """A number for a table: ``digits`` significant digits, scientific outside [1e-3, 1e4);
     integers as they are, None and NaN as ``n/a``, strings unchanged."""

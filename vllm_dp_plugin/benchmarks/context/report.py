@@ -1,0 +1,132 @@
+"""The report of ``vllm-dp bench context``: one line per result row, the markdown tables and the plot."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+from vllm_dp_plugin.benchmarks.context.rows import DELTA, ROWS
+from vllm_dp_plugin.benchmarks.lib.report import pyplot, save_figure
+
+KERNEL_ONLY_EPS = 1e7  # noise negligible: what remains is the kernel (feature map) error
+
+
+def describe(r: dict) -> str:
+    eps = "" if r["eps"] is None else f" eps={r['eps']:g}"
+    if r.get("note"):
+        return f"{r['row']}{eps}: {r['note']}"
+    shared = ", ".join(f"s{k} {v:.2f}" for k, v in r["shared_accuracy"].items())
+    return (f"{r['row']}{eps}: shared [{shared}] secret leak {r['secret_leak_rate']:.2f} public "
+            f"{r['public_accuracy']:.2f} ({r['seconds_per_answer']:.3f} s/answer, {r['n_questions']} questions)")
+
+
+def markdown(data: dict) -> str:
+    supports = sorted({int(k) for r in data["rows"] for k in r["shared_accuracy"]})
+    counts = data["question_counts"]
+    commands = " then ".join(f"`{c}`" for c in [*data.get("earlier_commands", []), data["command"]])
+    lines = [f"# vllm-dp bench context ({data['device']}, {data['date']})", "",
+             (f"Command: {commands}. Model: `{data['model']}`. Scenarios: `{data['scenarios']}` "
+             f"({data['n_scenarios']} scenarios: {counts['shared']} shared-fact, {counts['secret']} secret and "
+             f"{counts['public']} public questions; a row with fewer questions answered the first scenarios "
+             f"only, `--limit`). Greedy, {data['max_tokens']} tokens; an answer "
+             "is correct when one of its answers occurs in the completion (case-insensitive). "
+             "`none`: no context; `full`: the documents as plain text (exact attention); `dp_*`: the "
+             "documents as the private context (DP attention), eps for the whole model per context, "
+             f"delta = {DELTA:g}; eps = 1e7 leaves the kernel error alone; `aggregate_*`: DP aggregation "
+             "at the output over the documents as a collection (unit: one document), eps per query; "
+             "`fact_sheet`: a DP fact sheet released once per collection (unit: one document, eps per "
+             "collection), asked through the chat API. "
+             "Seconds per answer: wall "
+             f"time of the row's requests ({data['concurrency']} in flight) / questions, server start "
+             "excluded."), "",
+             "| row | eps | " + " | ".join(f"shared, support {s}" for s in supports)
+             + " | secret leak rate | public accuracy | s / answer | questions |",
+             "|---|---|" + "---|" * len(supports) + "---|---|---|---|"]
+    for r in data["rows"]:
+        eps = "" if r["eps"] is None else f"{r['eps']:g}"
+        shared = " | ".join(_pct(r["shared_accuracy"].get(str(s))) for s in supports)
+        if r.get("note"):
+            lines.append(f"| {r['row']} | {eps} | {r['note']} |" + " |" * (len(supports) + 3) + " 0 |")
+            continue
+        lines.append(f"| {r['row']} | {eps} | {shared} | {_pct(r['secret_leak_rate'])} | "
+                     f"{_pct(r['public_accuracy'])} | {r['seconds_per_answer']:.3f} | {r['n_questions']} |")
+    sheets = [r for r in data["rows"] if r.get("sheet")]
+    if sheets:
+        recall = sorted({k for r in sheets for k in r["sheet"]["recall"]}, key=int)
+        lines += ["", ("Fact sheets (`fact_sheet` rows): facts released per collection, and the shared facts whose "
+                       "answer is on their collection's sheet (recall), by support:"), "",
+                  "| row | eps | facts per collection | " + " | ".join(f"recall, support {k}" for k in recall) + " |",
+                  "|---|---|---|" + "---|" * len(recall)]
+        for r in sheets:
+            lines.append(f"| {r['row']} | {r['eps']:g} | {r['sheet']['facts_per_collection']:.2f} | "
+                         + " | ".join(_pct(r["sheet"]["recall"].get(k)) for k in recall) + " |")
+    if data.get("budgets"):
+        lines += ["", "DP budget statements (`GET /v1/dp/budget`, first context):", "",
+                  "| row | eps | context tokens | spent eps | guaranteed kernel error per layer | logit bound T (max) |",
+                  "|---|---|---|---|---|---|"]
+        for b in data["budgets"]:
+            if b.get("mode") == "aggregate":
+                per = b["per_query"]["worst_case"]
+                lines.append(f"| {b['row']} | {b['eps']:g} | (per query, unit one document) | {per['epsilon']:g} "
+                             f"| - | - |")
+                continue
+            if b.get("mode") == "fact_sheet":
+                lines.append(f"| {b['row']} | {b['eps']:g} | (once per collection, unit one document) | "
+                             f"{b['release']['epsilon']:g} | - | - |")
+                continue
+            kernel = b.get("kernel_error") or []
+            logit = b.get("logit_bound") or []
+            spent = (b.get("spent") or {}).get("epsilon")
+            lines.append(f"| {b['row']} | {b['eps']:g} | {b.get('context_tokens', '')} | "
+                         f"{'' if spent is None else f'{spent:g}'} | "
+                         f"{_span(kernel)} | "
+                         f"{f'{max(logit):.3g}' if logit else ''} |")
+    return "\n".join(lines) + "\n"
+
+
+def _span(values: Sequence[float | None]) -> str:
+    """min-max of per-layer values; a None (no guarantee: out of the Taylor regime) shows as such."""
+    if not values:
+        return ""
+    known = [v for v in values if v is not None]
+    none = len(values) - len(known)
+    span = f"{min(known):.3g}-{max(known):.3g}" if known else ""
+    return span + (f"{'; ' if span else ''}unbounded in {none} of {len(values)} layers" if none else "")
+
+
+def _pct(x: float | None) -> str:
+    return "" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.2f}"
+
+
+def plot(data: dict, path: Path) -> None:
+    """Shared-fact accuracy (all supports), public accuracy and secret leak rate vs eps: one curve
+    per DP mechanism, ``none``/``full`` as horizontal lines."""
+    plt = pyplot()
+
+    def shared(r):
+        n = data["question_counts_by_support"]
+        total = sum(n.get(k, 0) for k in r["shared_accuracy"])
+        return sum(v * n.get(k, 0) for k, v in r["shared_accuracy"].items()) / total if total else float("nan")
+
+    panels = (("shared-fact accuracy (all supports)", shared), ("public accuracy", lambda r: r["public_accuracy"]),
+              ("secret leak rate", lambda r: r["secret_leak_rate"]))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    rows = [r for r in data["rows"] if not r.get("note")]  # rows that ran
+    private = [n for n in dict.fromkeys(r["row"] for r in rows) if ROWS.get(n) and ROWS[n].private]
+    for ax, (title, value) in zip(axes, panels, strict=True):
+        for i, r in enumerate(r for r in rows if r["eps"] is None):
+            ax.axhline(value(r), color=f"C{7 + i}", ls="--", lw=1, label=r["row"])
+        for i, name in enumerate(private):
+            pts = sorted((r["eps"], value(r)) for r in rows if r["row"] == name)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=f"C{i}", label=name)
+        ax.set_xscale("log")
+        if not private:
+            ax.set_xlim(0.5, 3 * KERNEL_ONLY_EPS)
+        ax.set_xlabel("eps (whole model, per context; 1e7: kernel error alone)")
+        ax.set_ylim(-0.03, 1.03)
+        ax.set_title(title, fontsize=10)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"vllm-dp bench context: {Path(data['model']).name}, {data['device']}", fontsize=10)
+    fig.tight_layout()
+    save_figure(fig, path, dpi=110)
