@@ -7,7 +7,17 @@ import math
 import pytest
 import torch
 
-from vllm_dp_plugin.benchmarks import attention_real as bench
+from vllm_dp_plugin.benchmarks.attention_real import build_parser, run
+from vllm_dp_plugin.benchmarks.attention_real.capture import Captured, Hooked, prepare
+from vllm_dp_plugin.benchmarks.attention_real.measures import Sequences
+from vllm_dp_plugin.benchmarks.attention_real.parts import (
+    Plans,
+    causal_tail,
+    conditions,
+    keys_part,
+    rel_sq,
+)
+from vllm_dp_plugin.benchmarks.attention_real.report import markdown, plot
 from vllm_dp_plugin.cli import BENCH_SUITES
 from vllm_dp_plugin.plan import ModelShape
 
@@ -26,37 +36,37 @@ def model():
                          num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
                          max_position_embeddings=256)
     model = LlamaForCausalLM(config)
-    bench.prepare(model)
+    prepare(model)
     return model
 
 
-def sequences() -> list[bench.Sequences]:
+def sequences() -> list[Sequences]:
     g = torch.Generator().manual_seed(1)
     ids = lambda n: torch.randint(4, 64, (n,), generator=g).tolist()
     questions = [{"ids": ids(5), "answers": ["7"], "kind": kind, "q": f"q{i}"}
                  for i, kind in enumerate(("shared", "public"))]
-    return [bench.Sequences("s0", ids(24), 3, questions)]
+    return [Sequences("s0", ids(24), 3, questions)]
 
 
 @pytest.fixture(scope="module")
 def result(model):
     shape = ModelShape(LAYERS, 0, KV_HEADS, HEADS, HEAD_DIM, HEAD_DIM**-0.5, False)
     seqs = sequences()
-    plans = lambda s: bench.Plans.of(shape, len(s.context), s.head, EPS, bounds=BOUNDS)
-    return bench.run(model, seqs, plans, EPS, answer_tokens=3, answers=True, seed=0, eos=None,
+    plans = lambda s: Plans.of(shape, len(s.context), s.head, EPS, bounds=BOUNDS)
+    return run(model, seqs, plans, EPS, answer_tokens=3, answers=True, seed=0, eos=None,
                      decode=lambda t: " ".join(map(str, t)), log=lambda _: None)
 
 
 def test_capture_reproduces_the_models_attention(model):
     ids = torch.tensor([sequences()[0].context])
-    capture = bench.Captured()
-    with torch.no_grad(), bench.Hooked(capture):
+    capture = Captured()
+    with torch.no_grad(), Hooked(capture):
         hooked = model(input_ids=ids).logits
     for layer in range(LAYERS):
         q, k, v = capture.q[layer], capture.k[layer], capture.v[layer]
         positions = torch.arange(ids.shape[1])
-        exact = bench.keys_part(q, k, v, capture.scale, bench.causal_tail(positions, positions))
-        err, ref = bench.rel_sq(capture.out[layer], exact.out)
+        exact = keys_part(q, k, v, capture.scale, causal_tail(positions, positions))
+        err, ref = rel_sq(capture.out[layer], exact.out)
         assert math.sqrt(err / ref) < 1e-5
     # the registered attention is the model's own eager attention: outputs unchanged
     model.set_attn_implementation("eager")
@@ -64,7 +74,7 @@ def test_capture_reproduces_the_models_attention(model):
         with torch.no_grad():
             stock = model(input_ids=ids).logits
     finally:
-        bench.prepare(model)
+        prepare(model)
     assert torch.equal(hooked, stock)
 
 
@@ -91,7 +101,7 @@ def test_exact_path_is_exact_and_an_in_regime_dp_part_is_close(result):
 
 
 def test_report_has_every_layer_condition_and_file(result, tmp_path):
-    conds = [c.name for c in bench.conditions(EPS)]
+    conds = [c.name for c in conditions(EPS)]
     assert result["conditions"] == conds == ["exact", "kernel_bare", "kernel_head", "eps8_head", "eps8_bare",
                                              "dropped"]
     assert [r["layer"] for r in result["layers"]] == list(range(LAYERS))
@@ -103,15 +113,15 @@ def test_report_has_every_layer_condition_and_file(result, tmp_path):
     data = {**result, "model": "tiny", "device": "cpu-test", "date": "2026-11-26", "command": "test",
             "calibration": "bounds", "scenarios": "inline", "questions_per_scenario": 2, "answer_tokens": 3,
             "answers": True, "wall_s": 1.0}
-    text = bench.markdown(data)
+    text = markdown(data)
     for needle in ("## 1. Sinks", "## 2./3. The DP part", "## 4. Merged attention output", "## End to end",
                    "| eps8_head |", "s0 P=24"):
         assert needle in text, needle
-    assert bench.plot(data, tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+    assert plot(data, tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
     json.dumps(data, default=str)
 
 
 def test_registered_as_a_bench_suite():
     assert BENCH_SUITES["attention-real"][0] == "attention_real"
-    args = bench.build_parser().parse_args(["--questions", "3,4", "--eps", "8,64"])
+    args = build_parser().parse_args(["--questions", "3,4", "--eps", "8,64"])
     assert args.questions == (3, 4) and args.eps == (8.0, 64.0)
