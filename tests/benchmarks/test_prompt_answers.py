@@ -12,17 +12,38 @@ import json
 import math
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 
-from vllm_dp_plugin.benchmarks import prompt_answers as bench
+from vllm_dp_plugin.benchmarks.lib.scenarios import DEFAULT_MODEL
+from vllm_dp_plugin.benchmarks.prompt_answers import main
+from vllm_dp_plugin.benchmarks.prompt_answers.experiment import LLM_ARGS, appended
+from vllm_dp_plugin.benchmarks.prompt_answers.privatizers import (
+    METRIC_DP,
+    NO_QUESTION,
+    PRIVATIZERS,
+    REFERENCE,
+    Bench,
+    Privatized,
+    metric_epsilon,
+    service_epsilon,
+)
+from vllm_dp_plugin.benchmarks.prompt_answers.questions import (
+    Question,
+    build_questions,
+    chat_messages,
+)
+from vllm_dp_plugin.benchmarks.prompt_answers.report import BASELINES, write_results
+from vllm_dp_plugin.benchmarks.prompt_answers.rows import failed, receipt_total, summarize
+from vllm_dp_plugin.benchmarks.prompt_answers.settings import Settings
 from vllm_dp_plugin.cli import BENCH_SUITES
 from vllm_dp_plugin.cli import main as cli_main
 from vllm_dp_plugin.prompt.segments import Segment
 
 DATE = "2026-11-27"
-SMOLLM = Path(bench.DEFAULT_MODEL)
+SMOLLM = Path(DEFAULT_MODEL)
 SCENARIO = {
     "id": "t0",
     "documents": ["Memo: Zorbel Inc. is based in Quantor.", "Note: Zorbel Inc. has 12 staff."],
@@ -47,8 +68,8 @@ def demo(tmp_path_factory):
 @pytest.fixture(scope="module")
 def demo_bench(demo):
     path, tokenizer = demo
-    settings = bench.Settings(model=path, progress=False)
-    return bench.Bench(settings, tokenizer, log=lambda _: None)
+    settings = Settings(model=path, progress=False)
+    return Bench(settings, tokenizer, log=lambda _: None)
 
 
 def tokenizers(demo):
@@ -63,7 +84,7 @@ def tokenizers(demo):
 # --------------------------------------------------------------------------- questions and mask
 def test_the_private_mask_is_exactly_the_question_tokens(demo):
     for tokenizer in tokenizers(demo):
-        questions = bench.build_questions(tokenizer, [SCENARIO])
+        questions = build_questions(tokenizer, [SCENARIO])
         assert [q.kind for q in questions] == ["shared", "secret", "public"]
         for q, spec in zip(questions, SCENARIO["questions"], strict=True):
             ids, mask = q.prompt_ids(), q.private_mask()
@@ -73,7 +94,7 @@ def test_the_private_mask_is_exactly_the_question_tokens(demo):
             first = mask.index(True)
             assert all(mask[first : first + len(private)]) and sum(mask) == len(private)  # one contiguous run
             rendered = tokenizer.apply_chat_template(
-                bench.chat_messages(q.kind, SCENARIO["documents"], spec["q"]), tokenize=False,
+                chat_messages(q.kind, SCENARIO["documents"], spec["q"]), tokenize=False,
                 add_generation_prompt=True)
             assert tokenizer.decode(ids) == rendered  # the whole chat, template pieces included
             public_text = tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if not m])
@@ -87,15 +108,15 @@ def test_smollm_segments_tokenise_like_the_whole_chat():
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(SMOLLM))
-    for q in bench.build_questions(tokenizer, [SCENARIO]):
-        messages = bench.chat_messages(q.kind, SCENARIO["documents"], q.text)
+    for q in build_questions(tokenizer, [SCENARIO]):
+        messages = chat_messages(q.kind, SCENARIO["documents"], q.text)
         whole = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
         whole = whole["input_ids"] if isinstance(whole, dict) or hasattr(whole, "keys") else whole
         assert q.prompt_ids() == list(whole)
 
 
 def test_prompt_ids_splice_a_user_text_of_any_length():
-    q = bench.Question("s", 0, "public", "hi", ("x",), (Segment((1, 2), False), Segment((7, 8, 9), True),
+    q = Question("s", 0, "public", "hi", ("x",), (Segment((1, 2), False), Segment((7, 8, 9), True),
                                                          Segment((3,), False)), 1)
     assert q.prompt_ids() == [1, 2, 7, 8, 9, 3]
     assert q.prompt_ids([5]) == [1, 2, 5, 3]
@@ -107,26 +128,26 @@ def test_prompt_ids_splice_a_user_text_of_any_length():
 def test_the_registry_has_the_reference_and_every_mechanism():
     from vllm_dp_plugin.prompt import MECHANISMS
 
-    assert set(bench.PRIVATIZERS) == {*bench.BASELINES, *MECHANISMS, "paraphrase"}
+    assert set(PRIVATIZERS) == {*BASELINES, *MECHANISMS, "paraphrase"}
 
 
 def test_the_reference_row_reproduces_the_unprivatized_ids(demo, demo_bench):
-    questions = bench.build_questions(demo[1], [SCENARIO])
-    done = bench.PRIVATIZERS[bench.REFERENCE](demo_bench, None, questions)
+    questions = build_questions(demo[1], [SCENARIO])
+    done = PRIVATIZERS[REFERENCE](demo_bench, None, questions)
     assert [q.prompt_ids(p.ids) for q, p in zip(questions, done, strict=True)] == [q.prompt_ids() for q in questions]
     assert all(p.receipt is None for p in done)
-    row = bench.summarize(bench.REFERENCE, None, questions, done, ["Quantor", "no idea", "Paris!"])
+    row = summarize(REFERENCE, None, questions, done, ["Quantor", "no idea", "Paris!"])
     assert row["unchanged"] == 1.0 and row["questions_unchanged"] == 3
     assert (row["shared_accuracy"], row["secret_accuracy"], row["public_accuracy"]) == (1.0, 0.0, 1.0)
     assert "total_epsilon" not in row
-    empty = bench.PRIVATIZERS[bench.NO_QUESTION](demo_bench, None, questions)
+    empty = PRIVATIZERS[NO_QUESTION](demo_bench, None, questions)
     assert [q.prompt_ids(p.ids) for q, p in zip(questions, empty, strict=True)] == [
         [t for t, m in zip(q.prompt_ids(), q.private_mask(), strict=True) if not m] for q in questions]
 
 
 def test_a_token_row_changes_only_the_question_and_is_seeded(demo, demo_bench):
-    questions = bench.build_questions(demo[1], [SCENARIO])
-    laplace = bench.PRIVATIZERS["laplace"]
+    questions = build_questions(demo[1], [SCENARIO])
+    laplace = PRIVATIZERS["laplace"]
     done = laplace(demo_bench, 1.0, questions)
     again = laplace(demo_bench, 1.0, questions)
     assert [p.ids for p in done] == [p.ids for p in again]  # noise seeded per (mechanism, eps, question)
@@ -137,7 +158,7 @@ def test_a_token_row_changes_only_the_question_and_is_seeded(demo, demo_bench):
         assert [t for t, m in zip(out, mask, strict=True) if not m] == [
             t for t, m in zip(q.prompt_ids(), mask, strict=True) if not m]
         assert p.receipt["tokens_privatized"] == len(q.user_ids)
-        eps, delta = bench.receipt_total(p.receipt)
+        eps, delta = receipt_total(p.receipt)
         assert eps == pytest.approx(len(q.user_ids) * 1.0) and delta == 0.0  # basic composition, pure DP
     assert sum(p.ids != q.user_ids for q, p in zip(questions, done, strict=True)) >= 1  # eps = 1 changes words
     huge = laplace(demo_bench, 1e7, questions)
@@ -145,31 +166,31 @@ def test_a_token_row_changes_only_the_question_and_is_seeded(demo, demo_bench):
 
 
 def test_metric_rows_guarantee_the_grid_eps(demo, demo_bench):
-    questions = bench.build_questions(demo[1], [SCENARIO])[:1]
-    for name in bench.METRIC_DP:
-        eps_m = bench.service_epsilon(demo_bench, name, 20.0)
+    questions = build_questions(demo[1], [SCENARIO])[:1]
+    for name in METRIC_DP:
+        eps_m = service_epsilon(demo_bench, name, 20.0)
         diameter = demo_bench.diameter(name)
-        assert eps_m == pytest.approx(20.0 / diameter) and eps_m == bench.metric_epsilon(20.0, diameter)
-        done = bench.PRIVATIZERS[name](demo_bench, 20.0, questions)[0]
+        assert eps_m == pytest.approx(20.0 / diameter) and eps_m == metric_epsilon(20.0, diameter)
+        done = PRIVATIZERS[name](demo_bench, 20.0, questions)[0]
         assert done.receipt["epsilon_token"] == pytest.approx(20.0, rel=1e-12)
         assert done.info["service_epsilon"] == eps_m
     key = {"mahalanobis": "mahalanobis_diameter", "cmp": "sensitivity_l2"}
     assert set(key.values()) <= set(demo_bench.table_info)
-    assert bench.service_epsilon(demo_bench, "laplace", 20.0) == 20.0
+    assert service_epsilon(demo_bench, "laplace", 20.0) == 20.0
 
 
 def test_a_failing_calibration_is_a_row_not_a_crash(demo, demo_bench):
-    questions = bench.build_questions(demo[1], [SCENARIO])[:1]
+    questions = build_questions(demo[1], [SCENARIO])[:1]
     with pytest.raises(ValueError):
-        bench.PRIVATIZERS["trlap_repro"](demo_bench, 200.0, questions)  # Thm 3 undefined above ~20.6
-    row = bench.failed("trlap_repro", 200.0, ValueError("p > 1"))
+        PRIVATIZERS["trlap_repro"](demo_bench, 200.0, questions)  # Thm 3 undefined above ~20.6
+    row = failed("trlap_repro", 200.0, ValueError("p > 1"))
     assert row["error"] == "ValueError: p > 1"
 
 
 # --------------------------------------------------------------------------- report
-def fake_results(tmp_path) -> tuple[dict, bench.Settings]:
+def fake_results(tmp_path) -> tuple[dict, Settings]:
     segs = (Segment((1,), False), Segment((5, 6), True), Segment((2,), False))
-    questions = [bench.Question("s", i, kind, "q", ("yes",), segs, 1)
+    questions = [Question("s", i, kind, "q", ("yes",), segs, 1)
                  for i, kind in enumerate(["public", "shared", "shared", "secret"])]
 
     def receipt(eps, n=2, valid=True):
@@ -177,26 +198,26 @@ def fake_results(tmp_path) -> tuple[dict, bench.Settings]:
         return {"epsilon_token": eps, "delta_token": 0.0, "valid": valid, "statement": "s",
                 "tokens_privatized": n, "prompt_total": {"min": total}}
 
-    rows = [bench.summarize(bench.REFERENCE, None, questions, [bench.Privatized((5, 6))] * 4,
+    rows = [summarize(REFERENCE, None, questions, [Privatized((5, 6))] * 4,
                             ["yes", "yes", "no", "no"])]
     for eps in (5.0, 50.0):
-        done = [bench.Privatized((5, 7), receipt(eps))] * 4
-        rows.append(bench.summarize("laplace", eps, questions, done, ["no", "yes", "no", "no"]))
-        done = [bench.Privatized((5, 6), receipt(eps, valid=False), {"effective_dim": 900})] * 4
-        rows.append(bench.summarize("trlap_paper", eps, questions, done, ["yes", "yes", "yes", "no"]))
-        done = [bench.Privatized((8, 6), receipt(eps), {"service_epsilon": eps / 4})] * 4
-        rows.append(bench.summarize("cmp", eps, questions, done, ["yes", "no", "no", "yes"]))
-    rows.append(bench.failed("trlap_repro", 5.0, ValueError("undefined")))
-    rows.append(bench.failed("trlap_repro", 50.0, ValueError("undefined")))
-    settings = bench.Settings(out=tmp_path, date=DATE, command="vllm-dp bench prompt-answers --fake")
+        done = [Privatized((5, 7), receipt(eps))] * 4
+        rows.append(summarize("laplace", eps, questions, done, ["no", "yes", "no", "no"]))
+        done = [Privatized((5, 6), receipt(eps, valid=False), {"effective_dim": 900})] * 4
+        rows.append(summarize("trlap_paper", eps, questions, done, ["yes", "yes", "yes", "no"]))
+        done = [Privatized((8, 6), receipt(eps), {"service_epsilon": eps / 4})] * 4
+        rows.append(summarize("cmp", eps, questions, done, ["yes", "no", "no", "yes"]))
+    rows.append(failed("trlap_repro", 5.0, ValueError("undefined")))
+    rows.append(failed("trlap_repro", 50.0, ValueError("undefined")))
+    settings = Settings(out=tmp_path, date=DATE, command="vllm-dp bench prompt-answers --fake")
     results = {
         "machine": {"device": "cpu", "label": "cpu-2core", "platform": "linux", "python": "3.11",
                     "torch": "2", "cpu": "x", "cpu_count": 2},
         "device": "cpu",
-        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in bench.asdict(settings).items()},
+        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(settings).items()},
         "data": {"scenarios": 1, "questions": {"public": 1, "shared": 2, "secret": 1},
                  "question_tokens": [2, 2.0, 2], "prompt_tokens": 16},
-        "engine": {"llm": bench.LLM_ARGS, "vllm_plugins": "", "vllm": "0"},
+        "engine": {"llm": LLM_ARGS, "vllm_plugins": "", "vllm": "0"},
         "table": {"describe": "fake", "sensitivity_l2": 4.0},
         "rows": rows,
         "examples": {"reference@-": [{"question": "s/0", "kind": "public", "text": "q|x", "answer": "yes",
@@ -223,7 +244,7 @@ def test_summary_of_a_fake_run(tmp_path):
 
 def test_markdown_json_and_plot_of_a_fake_run(tmp_path):
     results, settings = fake_results(tmp_path)
-    files = bench.write_results(results, settings)
+    files = write_results(results, settings)
     stem = f"prompt-answers-cpu-{DATE}"
     assert [p.name for p in files] == [f"{stem}.md", f"{stem}.json", f"{stem}.png"]
     assert files[2].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -241,23 +262,23 @@ def test_markdown_json_and_plot_of_a_fake_run(tmp_path):
     saved = json.loads(files[1].read_text())
     assert saved["rows"][0]["mechanism"] == "reference" and saved["notes"]
     files[0].unlink()
-    assert bench.main(["--render", str(files[1])]) == 0
+    assert main(["--render", str(files[1])]) == 0
     assert files[0].read_text() == text
 
 
 def test_append_replaces_rows_of_the_same_mechanism_and_eps(tmp_path):
     results, settings = fake_results(tmp_path)
     results["data"]["keys"] = ["s/0", "s/1", "s/2", "s/3"]
-    bench.write_results(results, settings)
+    write_results(results, settings)
     new = json.loads(json.dumps(results))
     new["rows"] = [dict(results["rows"][1], shared_accuracy=1.0), {**results["rows"][1], "mechanism": "paraphrase"}]
-    merged = bench.appended(new, bench.Settings(**{**bench.asdict(settings), "append": True}))
+    merged = appended(new, Settings(**{**asdict(settings), "append": True}))
     keys = [(r["mechanism"], r["eps"]) for r in merged["rows"]]
     assert len(keys) == len(set(keys)) == len(results["rows"]) + 1
     assert next(r for r in merged["rows"] if (r["mechanism"], r["eps"]) == ("laplace", 5.0))["shared_accuracy"] == 1.0
     new["data"]["keys"] = ["other"]
     with pytest.raises(SystemExit, match="other questions"):
-        bench.appended(new, settings)
+        appended(new, settings)
 
 
 def test_the_suite_is_routed_both_ways(capsys):
