@@ -19,8 +19,19 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_dp_plugin.benchmarks import prompt as bench
+from vllm_dp_plugin.benchmarks.prompt.analysis import eps_for_bound
+from vllm_dp_plugin.benchmarks.prompt.data import Batch, load_vocabulary
+from vllm_dp_plugin.benchmarks.prompt.mechanisms import (
+    METRIC_DP,
+    bootstrap_ci,
+    keep_bound,
+    noise_seed,
+    rescale_metric,
+    text_keep_bound,
+)
+from vllm_dp_plugin.benchmarks.prompt.settings import Settings
 from vllm_dp_plugin.cli import main
+from vllm_dp_plugin.privacy.trlaplace import paper_effective_dim
 from vllm_dp_plugin.prompt import EmbeddingTable, token_mechanism
 
 DATE = "2026-11-22"
@@ -40,7 +51,7 @@ def quick_run(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def vocabulary(quick_run):
-    return bench.load_vocabulary(bench.Settings())
+    return load_vocabulary(Settings())
 
 
 def rows_by(results):
@@ -94,7 +105,7 @@ def moment_tail(scale: float, dim: int, radius: float, kmax: int = 12) -> float:
 
 
 def sample_pieces(vocabulary, results) -> torch.Tensor:
-    batch = bench.Batch.build(vocabulary.tokenizer, results["data"]["sentences_sample"], "cpu")
+    batch = Batch.build(vocabulary.tokenizer, results["data"]["sentences_sample"], "cpu")
     return batch.ids[batch.mask]
 
 
@@ -122,7 +133,7 @@ def test_small_eps_stays_below_the_s17_bound(quick_run, vocabulary):
     counts = Counter(pieces.tolist())
     freqs = [c / len(pieces) for c in counts.values()]
     vocab = vocabulary.table.vocab_size
-    bound = bench.text_keep_bound(freqs, SMALL_EPS, 1e-6, vocab)
+    bound = text_keep_bound(freqs, SMALL_EPS, 1e-6, vocab)
     # greedy: e^1 + V 1e-6 = 2.75 pieces' worth of budget on the most frequent ones
     top = sorted(freqs, reverse=True)
     assert bound == pytest.approx(top[0] + top[1] + (math.e + vocab * 1e-6 - 2) * top[2])
@@ -130,7 +141,7 @@ def test_small_eps_stays_below_the_s17_bound(quick_run, vocabulary):
     assert bound + tolerance < 0.5  # the check below has teeth
     row = rows_by(results)[("trlap_corrected", SMALL_EPS)]
     assert row["preservation"] <= bound + tolerance
-    assert bench.keep_bound(SMALL_EPS, 1e-6, vocab) == pytest.approx((math.e + vocab * 1e-6) / vocab)
+    assert keep_bound(SMALL_EPS, 1e-6, vocab) == pytest.approx((math.e + vocab * 1e-6) / vocab)
 
 
 def test_paper_claims_a_delta_it_does_not_have(quick_run):
@@ -148,12 +159,12 @@ def small_table(seed=0) -> EmbeddingTable:
     return EmbeddingTable.build(rows, 60, (0, 1))
 
 
-@pytest.mark.parametrize("name", bench.METRIC_DP)
+@pytest.mark.parametrize("name", METRIC_DP)
 def test_rescaled_metric_mechanism_equals_a_fresh_one(name):
     table = small_table()
     base = token_mechanism(name, table, 1.0)
     eps_dp = 7.5
-    rescaled = bench.rescale_metric(base, eps_dp)
+    rescaled = rescale_metric(base, eps_dp)
     fresh = token_mechanism(name, table, rescaled.metric_epsilon)
     assert rescaled.guarantee.epsilon == pytest.approx(eps_dp, rel=1e-12)
     assert fresh.guarantee.epsilon == pytest.approx(eps_dp, rel=1e-12)
@@ -167,8 +178,8 @@ def test_rescaled_metric_mechanism_equals_a_fresh_one(name):
 @pytest.mark.filterwarnings("ignore::vllm_dp_plugin.privacy.mechanisms.NotDifferentiallyPrivateWarning")
 def test_paper_effective_dim_is_the_smallest_thm3_allows():
     table = small_table()
-    assert bench.paper_effective_dim(1.0, 8) == 8
-    assert bench.paper_effective_dim(20.0, 8) == 1600
+    assert paper_effective_dim(1.0, 8) == 8
+    assert paper_effective_dim(20.0, 8) == 1600
     token_mechanism("trlap_paper", table, 20.0, effective_dim=1600)  # p = 1: allowed
     with pytest.raises(ValueError, match="effective_dim"):
         token_mechanism("trlap_paper", table, 20.0, effective_dim=1599)
@@ -177,25 +188,25 @@ def test_paper_effective_dim_is_the_smallest_thm3_allows():
 def test_text_bound_spends_the_budget_on_frequent_pieces():
     freqs = [0.5, 0.3, 0.2]
     eps = math.log(1.5)
-    assert bench.text_keep_bound(freqs, eps, 0.0, 100) == pytest.approx(0.5 + 0.5 * 0.3)
-    assert bench.eps_for_bound(freqs, 0.65, 0.0, 100) == pytest.approx(eps)
-    assert bench.text_keep_bound(freqs, 0.0, 0.0, 100) == pytest.approx(0.5)  # e^0 = one piece
-    assert bench.text_keep_bound(freqs, 800.0, 0.0, 100) == 1.0
-    assert bench.text_keep_bound([0.1] * 10, math.log(10.0), 0.0, 100) == 1.0  # no rounding below 1
-    assert bench.keep_bound(800.0, 0.0, 100) == 1.0
+    assert text_keep_bound(freqs, eps, 0.0, 100) == pytest.approx(0.5 + 0.5 * 0.3)
+    assert eps_for_bound(freqs, 0.65, 0.0, 100) == pytest.approx(eps)
+    assert text_keep_bound(freqs, 0.0, 0.0, 100) == pytest.approx(0.5)  # e^0 = one piece
+    assert text_keep_bound(freqs, 800.0, 0.0, 100) == 1.0
+    assert text_keep_bound([0.1] * 10, math.log(10.0), 0.0, 100) == 1.0  # no rounding below 1
+    assert keep_bound(800.0, 0.0, 100) == 1.0
 
 
 def test_bootstrap_ci_brackets_the_estimate():
     rng = np.random.default_rng(0)
     num = rng.random(50)
     draws = rng.integers(0, 50, (500, 50))
-    lo, hi = bench.bootstrap_ci(num, None, draws)
+    lo, hi = bootstrap_ci(num, None, draws)
     assert lo < num.mean() < hi and hi - lo < 0.3
     den = np.full(50, 2.0)
-    lo2, hi2 = bench.bootstrap_ci(num, den, draws)
+    lo2, hi2 = bootstrap_ci(num, den, draws)
     assert lo2 == pytest.approx(lo / 2) and hi2 == pytest.approx(hi / 2)
 
 
 def test_noise_seed_depends_on_mechanism_and_eps_only():
-    assert bench.noise_seed(0, "laplace", 10.0) == bench.noise_seed(0, "laplace", 10)
-    assert len({bench.noise_seed(0, m, e) for m in ("laplace", "expmech") for e in (1.0, 10.0)}) == 4
+    assert noise_seed(0, "laplace", 10.0) == noise_seed(0, "laplace", 10)
+    assert len({noise_seed(0, m, e) for m in ("laplace", "expmech") for e in (1.0, 10.0)}) == 4
