@@ -1,5 +1,6 @@
 """The package's layers (docs/architecture.md): each package imports only the layers below it,
-and vLLM is imported by ``serving/`` alone (the benchmarks drive vLLM as a user does)."""
+vLLM is imported by ``serving/`` alone (the benchmarks drive vLLM as a user does), and the
+modules of ``attention/`` import one another without a cycle (``TYPE_CHECKING`` imports count)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ ALLOWED = {
     "plan": {"privacy", "attention", "aggregate", "config", "lru"},
 }
 VLLM_ALLOWED = {"serving", "benchmarks"}
+ACYCLIC = ("attention",)  # packages whose modules import one another without a cycle
 
 
 def _imports(source: str, here: tuple[str, ...]) -> set[str]:
@@ -79,3 +81,61 @@ def test_the_checker_sees_relative_and_absolute_imports():
     src = "from ..config import X\nimport vllm_dp_plugin.serving.http\nfrom vllm import LLM\nfrom . import core\n"
     assert _imports(src, ("attention",)) == {"config", "serving", "vllm", "attention"}
     assert _imports("from .attention.params import MODES\n", ()) == {"attention"}
+
+
+def _module_imports(source: str, package: str) -> set[str]:
+    """The modules of ``vllm_dp_plugin.<package>`` (top-level files, by stem) that a module of that
+    package with text ``source`` imports anywhere (``TYPE_CHECKING`` and function bodies too)."""
+    out = set()
+    prefix = f"vllm_dp_plugin.{package}."
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            out |= {node.module.split(".")[0]} if node.module else {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(prefix):
+            out.add(node.module[len(prefix):].split(".")[0])
+        elif isinstance(node, ast.Import):
+            out |= {a.name[len(prefix):].split(".")[0] for a in node.names if a.name.startswith(prefix)}
+    return out
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One import cycle of ``graph`` (module -> modules it imports) as [a, b, ..., a], or []."""
+    done, path = set(), []
+
+    def visit(node: str) -> list[str]:
+        if node in path:
+            return path[path.index(node):] + [node]
+        if node in done:
+            return []
+        path.append(node)
+        for dep in sorted(graph.get(node, ())):
+            found = visit(dep)
+            if found:
+                return found
+        path.pop()
+        done.add(node)
+        return []
+
+    for node in sorted(graph):
+        found = visit(node)
+        if found:
+            return found
+    return []
+
+
+@pytest.mark.parametrize("package", ACYCLIC)
+def test_a_package_s_modules_import_one_another_without_a_cycle(package):
+    graph = {p.stem: _module_imports(p.read_text(encoding="utf-8"), package) - {p.stem}
+             for p in sorted((ROOT / package).glob("*.py"))}
+    assert not _cycle(graph), f"import cycle in {package}/: {' -> '.join(_cycle(graph))}"
+
+
+def test_the_cycle_check_sees_a_cycle():
+    """The cycle the release modes once had (modes imported them, they imported its types back
+    under TYPE_CHECKING) fails; relative and absolute forms are both seen."""
+    src = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .modes import Release\n"
+    assert _module_imports(src, "attention") == {"modes"}
+    assert _module_imports("from vllm_dp_plugin.attention.state import X\nfrom . import tree\n", "attention") == {
+        "state", "tree"}
+    assert _cycle({"modes": {"state"}, "state": {"base", "modes"}, "base": set()}) == ["modes", "state", "modes"]
+    assert _cycle({"modes": {"state", "base"}, "state": {"base"}, "base": set()}) == []

@@ -4,15 +4,10 @@ the protocol, and a new mode plugs into ``DPCrossAttention`` as one class + one 
 import pytest
 import torch
 
+from vllm_dp_plugin.attention.base import Release, ReleaseBuilder, ReleaseMode
 from vllm_dp_plugin.attention.core import DPCrossAttention
 from vllm_dp_plugin.attention.mapping import HeadMapping
-from vllm_dp_plugin.attention.modes import (
-    RELEASE_MODES,
-    Release,
-    ReleaseBuilder,
-    ReleaseMode,
-    release_mode,
-)
+from vllm_dp_plugin.attention.modes import RELEASE_MODES, release_mode
 from vllm_dp_plugin.attention.params import MODES, DPAttentionParams
 from vllm_dp_plugin.attention.state import KernelStateBuilder, NoisyKernelState, StateMode
 

@@ -20,14 +20,14 @@ import torch
 from ..privacy.keyed_noise import fresh_generator
 from ..privacy.mechanisms import Mechanism
 from .accounting import AttentionAccount, StateSensitivity, head_budget
+from .base import HeadGenerators, QueryPath, Release, ReleaseBuilder
 from .budget import TreeBudget
 from .budget import tree_budget as budget_cascade
 from .features import FeatureMap, RandomFeatures, TaylorFeatures, taylor_degree, taylor_kernel_error
 from .mapping import HeadMapping, assert_same_heads
 from .merge import AttentionPart, private_part
-from .modes import QueryPath, Release, ReleaseBuilder, release_mode
+from .modes import release_mode
 from .params import DPAttentionParams
-from .state import HeadGenerators
 from .tree import TreeRelease
 from .tree_spec import TreeSpec, make_tree_spec
 

@@ -44,7 +44,7 @@ from .tree import TreeMode
 from .tree_spec import TreeSpec
 
 if TYPE_CHECKING:
-    from .modes import ReleaseContext
+    from .base import ReleaseContext
 
 RANGE_SLACK = 1e-9  # relative slack of the data-range check (feature maps round by a few ulps)
 

@@ -13,7 +13,6 @@ only holder of exact private data; ``release`` adds the noise once and returns a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -24,9 +23,7 @@ from .accounting import state_mechanism
 from .features import TaylorFeatures
 
 if TYPE_CHECKING:
-    from .modes import QueryPath, ReleaseContext
-
-HeadGenerators = torch.Generator | Sequence[torch.Generator]  # one for all heads, or one per head
+    from .base import HeadGenerators, QueryPath, ReleaseContext
 
 TENSOR_POWER_DEGREE = 2  # state-mode Taylor queries up to this degree: one broadcast product,
 # no gathers (E = 1 + d + d^2 columns vs r = binom(d + 2, 2); gathers cost more on CPU and GPU)

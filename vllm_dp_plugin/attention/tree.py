@@ -57,8 +57,7 @@ from .tree_spec import TreeSpec
 
 if TYPE_CHECKING:
     from ..privacy.mechanisms import Mechanism
-    from .modes import Release, ReleaseContext
-    from .state import HeadGenerators
+    from .base import HeadGenerators, Release, ReleaseContext
 
 MOMENTS = 3
 DEFAULT_CHUNK_BYTES = 1 << 26
