@@ -1,4 +1,4 @@
-"""Where the two missed GPU targets of run_all.sh lose their time (issue 38 follow-up; one call).
+"""Where the two missed GPU targets of run_all.sh lose their time (a follow-up of run_all.sh; one call).
 
 ``train``: the DP step on SmolLM2's shape split into its phases (forward + per-sample loss, our
 backward with per-sample norms and clipping, the noise of ``finish_step``, Adam), each timed with
@@ -44,24 +44,26 @@ def phases(fns, device, repeats: int) -> list[list[float]]:
 
 
 def train_phases(args, device: torch.device) -> None:
-    from vllm_dp_plugin.benchmarks import train as bench
+    from vllm_dp_plugin.benchmarks.train import _spec_from_args, build_parser
+    from vllm_dp_plugin.benchmarks.train.methods import METHODS
+    from vllm_dp_plugin.benchmarks.train.spec import _per_sample_loss, make_model, synthetic_batch
     from vllm_dp_plugin.trainer.engine import DPConfig, DPEngine
 
     for autocast in ("none", "bf16"):
-        parsed = bench.build_parser().parse_args(
+        parsed = build_parser().parse_args(
             ["--device", str(device), "--model", args.model, "--autocast", autocast]
             + (["--quick"] if args.quick else []))
-        spec = bench._spec_from_args(parsed, args.model)
-        batch = bench.synthetic_batch(spec.size, spec.seed, device)
+        spec = _spec_from_args(parsed, args.model)
+        batch = synthetic_batch(spec.size, spec.seed, device)
         print(f"== train phases, autocast {autocast}: batch {spec.size.batch} x {spec.size.seq_len}", flush=True)
         for name in ("non_private", "ours"):
-            model = bench.make_model(spec, bench.METHODS[name], device)
+            model = make_model(spec, METHODS[name], device)
             engine = (DPEngine(model, DPConfig(noise_multiplier=1.0, expected_batch_size=spec.size.batch,
                                                clip_norm=1.0, clipping="flat", seed=0)) if name == "ours" else None)
             state = {}
 
             def forward():
-                state["loss"] = bench._per_sample_loss(model, batch, spec)
+                state["loss"] = _per_sample_loss(model, batch, spec)
 
             def backward():
                 if engine is None:

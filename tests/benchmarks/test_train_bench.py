@@ -6,9 +6,23 @@ fallback)."""
 import json
 
 import pytest
+import torch
 
-from vllm_dp_plugin.benchmarks import train
+from vllm_dp_plugin.benchmarks.lib.environment import free_bytes
 from vllm_dp_plugin.benchmarks.lib.scenarios import resolve_model
+from vllm_dp_plugin.benchmarks.train import (
+    MODEL_BATCH,
+    _methods_from_args,
+    _spec_from_args,
+    build_parser,
+    main,
+    methods,
+)
+from vllm_dp_plugin.benchmarks.train.measure import measure_method, run_isolated
+from vllm_dp_plugin.benchmarks.train.methods import METHODS, PRESET_METHODS, naive_skip_reason
+from vllm_dp_plugin.benchmarks.train.spec import PRESETS, BenchSpec, ModelSize, load_model
+from vllm_dp_plugin.benchmarks.train.verdicts import NORM_RTOL, add_ratios, norm_check, targets
+from vllm_dp_plugin.trainer.lora import LoraSpec
 
 DATE = "2026-11-23"
 
@@ -25,16 +39,16 @@ def written(stem):
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
     out = tmp_path_factory.mktemp("train")
-    assert train.main(["--quick", "--out", str(out), "--date", DATE, "--quiet"]) == 0
+    assert main(["--quick", "--out", str(out), "--date", DATE, "--quiet"]) == 0
     return written(out / f"train-cpu-{DATE}")
 
 
 def test_quick_run_has_every_method_row(quick):
     results, text, png = quick
     rows = {r["method"]: r for r in results["methods"]}
-    assert list(rows) == train.PRESET_METHODS == [n for n, m in train.METHODS.items() if not m.lora]
-    for name in train.PRESET_METHODS:
-        assert f"| {train.METHODS[name].label} |" in text, name
+    assert list(rows) == PRESET_METHODS == [n for n, m in METHODS.items() if not m.lora]
+    for name in PRESET_METHODS:
+        assert f"| {METHODS[name].label} |" in text, name
     for name in ("non_private", "ours", "opacus_ghost_untied", "naive_vmap"):
         row = rows[name]
         assert row["status"] == "ok", row
@@ -60,9 +74,9 @@ def test_our_first_batch_norms_equal_torch_func(quick):
     cross term dropped) is off by O(1)."""
     results, text, _ = quick
     check = results["norm_check"]
-    assert check["result"] == "PASS" and check["max_rel_diff"] <= train.NORM_RTOL
+    assert check["result"] == "PASS" and check["max_rel_diff"] <= NORM_RTOL
     rows = {r["method"]: r for r in results["methods"]}
-    assert len(rows["ours"]["first_norms"]) == train.PRESETS["toy"].batch
+    assert len(rows["ours"]["first_norms"]) == PRESETS["toy"].batch
     assert "Per-sample norm check (ours vs torch.func, first batch): **PASS**" in text
 
 
@@ -80,8 +94,8 @@ def test_targets_pass_fail_and_na():
         _row("opacus_ghost", status="error: NotImplementedError: tying"),
         _row("opacus_ghost_untied", 1.3, 120),
     ]
-    train.add_ratios(rows)
-    got = {t["target"]: (t["measured"], t["result"]) for t in train.targets(rows)}
+    add_ratios(rows)
+    got = {t["target"]: (t["measured"], t["result"]) for t in targets(rows)}
     assert got["ours step time <= 1.5x non-private"] == ("1.40x", "PASS")
     assert got["ours peak memory <= 1.3x non-private"] == ("1.40x", "FAIL")
     tied = next(v for k, v in got.items() if "tied embeddings" in k)
@@ -92,35 +106,35 @@ def test_targets_pass_fail_and_na():
 
 def test_norm_check_verdicts():
     rows = [{"method": "ours", "first_norms": [1.0, 2.0]}, {"method": "naive_vmap", "first_norms": [1.0, 2.0 * (1 + 1e-3)]}]
-    assert train.norm_check(rows, "none")["result"] == "FAIL"
-    assert train.norm_check(rows, "bf16")["result"] == "n/a"  # a value, but no verdict under autocast
+    assert norm_check(rows, "none")["result"] == "FAIL"
+    assert norm_check(rows, "bf16")["result"] == "n/a"  # a value, but no verdict under autocast
     rows[1]["first_norms"] = [1.0, 2.0 * (1 + 1e-5)]
-    assert train.norm_check(rows, "none")["result"] == "PASS"
-    assert train.norm_check(rows[:1], "none")["result"] == "n/a"
+    assert norm_check(rows, "none")["result"] == "PASS"
+    assert norm_check(rows[:1], "none")["result"] == "n/a"
 
 
 def test_naive_skip_reason_when_per_sample_grads_exceed_half_the_free_memory():
-    device = train.torch.device("cpu")
-    free = train.free_bytes(device)
-    huge = train.ModelSize(vocab=50257, n_embd=768, n_layer=12, n_head=12, seq_len=512, batch=1 << 20)
-    assert train.naive_skip_reason(huge, 124_000_000, device).startswith("skipped: per-sample gradients need")
-    assert train.naive_skip_reason(train.PRESETS["toy"], 45_000, device) == "" and free > 0
+    device = torch.device("cpu")
+    free = free_bytes(device)
+    huge = ModelSize(vocab=50257, n_embd=768, n_layer=12, n_head=12, seq_len=512, batch=1 << 20)
+    assert naive_skip_reason(huge, 124_000_000, device).startswith("skipped: per-sample gradients need")
+    assert naive_skip_reason(PRESETS["toy"], 45_000, device) == "" and free > 0
 
 
 def test_bad_arguments_are_named():
     with pytest.raises(SystemExit, match="unknown or no methods"):
-        train.main(["--quick", "--methods", "ours,fast"])
+        main(["--quick", "--methods", "ours,fast"])
     with pytest.raises(SystemExit, match="need batch >= 1"):
-        train.main(["--quick", "--batch", "-1"])
+        main(["--quick", "--batch", "-1"])
 
 
 def test_a_worker_past_its_timeout_is_an_error_row_and_is_stopped(quick):
-    spec = train.BenchSpec(
-        size=train.PRESETS["toy"], device="cpu", autocast="none", warmup=0, steps=1, seed=0,
+    spec = BenchSpec(
+        size=PRESETS["toy"], device="cpu", autocast="none", warmup=0, steps=1, seed=0,
         noise_multiplier=1.0, clip_norm=1.0, lr=1e-4,
     )
-    row = train.run_isolated("ours", spec, timeout=0.01)
-    assert row["status"] == "error: no result within 0 s" and row["label"] == train.METHODS["ours"].label
+    row = run_isolated("ours", spec, timeout=0.01)
+    assert row["status"] == "error: no result within 0 s" and row["label"] == METHODS["ours"].label
 
 
 # ---------------------------------------------------------------------------------- --model (a Llama directory)
@@ -139,7 +153,7 @@ def llama_dir(tmp_path_factory):
         num_key_value_heads=2, head_dim=16, max_position_embeddings=64, tie_word_embeddings=True,
         bos_token_id=1, eos_token_id=2, pad_token_id=2,
     )
-    train.torch.manual_seed(0)
+    torch.manual_seed(0)
     path = tmp_path_factory.mktemp("models") / LLAMA
     LlamaForCausalLM(config).save_pretrained(path)
     return path
@@ -152,15 +166,15 @@ def _model_args(llama_dir, *extra):
 @pytest.fixture(scope="module")
 def model_run(llama_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("train-model")
-    assert train.main([*_model_args(llama_dir), "--out", str(out), "--date", DATE, "--quiet"]) == 0
+    assert main([*_model_args(llama_dir), "--out", str(out), "--date", DATE, "--quiet"]) == 0
     return written(out / f"train-{LLAMA}-cpu-{DATE}")
 
 
 def test_model_run_has_full_and_lora_rows(model_run):
     results, text, png = model_run
     rows = {r["method"]: r for r in results["methods"]}
-    assert list(rows) == list(train.METHODS)  # --model: every method, the LoRA ones included
-    for name, method in train.METHODS.items():
+    assert list(rows) == list(METHODS)  # --model: every method, the LoRA ones included
+    for name, method in METHODS.items():
         row = rows[name]
         assert row["lora"] == method.lora and f"| {row['label']} |" in text, name
         if name != "opacus_ghost":
@@ -209,7 +223,7 @@ def test_model_run_norm_checks(model_run):
     assert results["norm_check"]["result"] == "PASS"
     tiny = results["tiny_norm_check"]
     assert tiny["result"] == "PASS", tiny
-    assert tiny["max_rel_diff_full"] <= train.NORM_RTOL and tiny["max_rel_diff_lora"] <= train.NORM_RTOL
+    assert tiny["max_rel_diff_full"] <= NORM_RTOL and tiny["max_rel_diff_lora"] <= NORM_RTOL
     assert "Per-sample norm check on a tiny Llama (ours vs torch.func): **PASS**: random 2-layer llama" in text
 
 
@@ -220,19 +234,19 @@ def test_model_targets_pass_fail():
         _row("non_private_lora", 1.0, 100), _row("ours_lora", 1.1, 110), _row("opacus_lora", 1.32, 105),
     ]
     rows[-1]["opacus_mode"] = "hooks"
-    train.add_ratios(rows)
+    add_ratios(rows)
     assert rows[-1]["time_ratio"] == pytest.approx(1.32)  # against non-private LoRA
-    got = {t["target"]: (t["measured"], t["result"]) for t in train.targets(rows, real_model=True)}
+    got = {t["target"]: (t["measured"], t["result"]) for t in targets(rows, real_model=True)}
     assert got["ours step time <= 1.25x non-private"] == ("1.20x", "PASS")
     assert got["ours peak memory <= 1.2x non-private"] == ("1.25x", "FAIL")
     assert got["ours LoRA step time <= 1.15x non-private LoRA"] == ("1.10x", "PASS")
     assert got["ours LoRA faster than Opacus LoRA"] == ("Opacus (hooks mode) 1.20x our step time", "PASS")
     # the presets keep their own bounds and no LoRA rows
-    assert [t["target"] for t in train.targets(rows)][:2] == [
+    assert [t["target"] for t in targets(rows)][:2] == [
         "ours step time <= 1.5x non-private", "ours peak memory <= 1.3x non-private"]
-    assert len(train.targets(rows)) == 4
-    # on CUDA full fine-tuning's time bound is 1.2x (issue 38)
-    got = {t["target"]: (t["measured"], t["result"]) for t in train.targets(rows, real_model=True, device_type="cuda")}
+    assert len(targets(rows)) == 4
+    # on CUDA full fine-tuning's time bound is 1.2x (the GPU target)
+    got = {t["target"]: (t["measured"], t["result"]) for t in targets(rows, real_model=True, device_type="cuda")}
     assert got["ours step time <= 1.2x non-private"] == ("1.20x", "PASS")
 
 
@@ -243,19 +257,19 @@ def test_config_only_model_runs_with_random_weights(llama_dir, tmp_path):
     (config_only / "config.json").write_text((llama_dir / "config.json").read_text())
     out = tmp_path / "out"
     argv = [*_model_args(config_only), "--methods", "non_private,ours", "--out", str(out), "--date", DATE, "--quiet"]
-    assert train.main(argv) == 0
+    assert main(argv) == 0
     results, text, _ = written(out / f"train-arch-cpu-{DATE}")
     assert [r["status"] for r in results["methods"]] == ["ok", "ok"]
     assert results["meta"]["random_weights"] and "(llama, tied embeddings, random weights)" in results["meta"]["model"]
     assert "Random weights (seed 0) of" in text
     assert results["tiny_norm_check"]["result"] == "PASS"
-    a, b = (train.load_model(str(config_only), True, 0, train.torch.device("cpu")) for _ in range(2))
-    assert all(train.torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=True))  # seeded
+    a, b = (load_model(str(config_only), True, 0, torch.device("cpu")) for _ in range(2))
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=True))  # seeded
 
 
 @pytest.mark.parametrize("when", ["make_private", "first step"])
 def test_opacus_lora_falls_back_to_hooks_mode_when_ghost_refuses(llama_dir, monkeypatch, when):
-    real = train._opacus
+    real = methods._opacus
 
     def refusing(model, batch, spec, mode):
         if mode == "ghost" and when == "make_private":
@@ -267,9 +281,9 @@ def test_opacus_lora_falls_back_to_hooks_mode_when_ghost_refuses(llama_dir, monk
             return refuse, wrapped
         return step, wrapped
 
-    monkeypatch.setattr(train, "_opacus", refusing)
-    spec = train._spec_from_args(train.build_parser().parse_args(_model_args(llama_dir)), str(llama_dir))
-    row = train.measure_method("opacus_lora", spec)  # in this process: the patch holds
+    monkeypatch.setattr(methods, "_opacus", refusing)
+    spec = _spec_from_args(build_parser().parse_args(_model_args(llama_dir)), str(llama_dir))
+    row = measure_method("opacus_lora", spec)  # in this process: the patch holds
     assert row["status"] == "ok", row
     assert row["opacus_mode"] == "hooks" and row["ghost_refusal"] == "NotImplementedError: ghost says no"
     assert row["label"] == "Opacus 1.6 hooks mode (ghost clipping refused), LoRA"
@@ -277,15 +291,15 @@ def test_opacus_lora_falls_back_to_hooks_mode_when_ghost_refuses(llama_dir, monk
 
 def test_model_arguments_are_checked(llama_dir, tmp_path):
     with pytest.raises(SystemExit, match="need --model"):
-        train.main(["--quick", "--methods", "ours,ours_lora"])
+        main(["--quick", "--methods", "ours,ours_lora"])
     with pytest.raises(SystemExit, match="exclude each other"):
-        train.main([*_model_args(llama_dir), "--preset", "tiny"])
+        main([*_model_args(llama_dir), "--preset", "tiny"])
     with pytest.raises(SystemExit, match="nor a directory with a config.json"):
-        train.main(["--model", str(tmp_path)])
-    assert train._methods_from_args(None) == train.PRESET_METHODS
-    assert train._methods_from_args(None, real_model=True) == list(train.METHODS)
-    args = train.build_parser().parse_args(["--model", str(llama_dir)])
-    spec = train._spec_from_args(args, str(llama_dir))
-    assert (spec.size.batch, spec.size.seq_len) == train.MODEL_BATCH["cpu"] == (32, 128)
-    assert spec.lora == train.LoraSpec() and spec.model == str(llama_dir)
+        main(["--model", str(tmp_path)])
+    assert _methods_from_args(None) == PRESET_METHODS
+    assert _methods_from_args(None, real_model=True) == list(METHODS)
+    args = build_parser().parse_args(["--model", str(llama_dir)])
+    spec = _spec_from_args(args, str(llama_dir))
+    assert (spec.size.batch, spec.size.seq_len) == MODEL_BATCH["cpu"] == (32, 128)
+    assert spec.lora == LoraSpec() and spec.model == str(llama_dir)
     assert resolve_model(str(llama_dir)) == (LLAMA, str(llama_dir))
