@@ -136,7 +136,7 @@ def test_aggregate_report_states_the_calibrated_query_and_the_ledger(tmp_path):
 def test_aggregate_statement_protects_which_documents_exist_and_states_replace_one():
     """Add/remove neighbours differ exactly in which documents exist and how many: the unit says it
     covers that (up to one document) and what a replacement is; the public part is the
-    configuration, not the collection (it said "which documents exist and how many": issue 31)."""
+    configuration, not the collection (it said "which documents exist and how many" before the side-channel review of DP aggregation)."""
     from vllm_dp_plugin.plan import aggregate_report
 
     agg = DPPrivacyConfig.from_dict({"aggregate": {"contexts": {"docs": "d.jsonl"}}}).aggregate

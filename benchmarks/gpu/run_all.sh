@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every GPU check of issue 38 in one call of the device machine (H100/H200, about 4-5 minutes):
+# Every GPU check in one call of the device machine (H100/H200, about 4-5 minutes):
 #
 #   bash benchmarks/gpu/prepare.sh          # here, once: .gpu-wheels/ and .gpu-model/ (carry both)
 #   bash benchmarks/gpu/run_all.sh          # on the GPU machine, from anywhere

@@ -1,8 +1,8 @@
 """What a query settles (``AggregationParams.settlement``, ``Aggregator.settlement``): within its
 reservation (the worst case) in epsilon and in delta in every state a query can end in, exactly
 the pure basic epsilon of the steps taken where the worst case is pure, exactly the worst case
-where it is the RDP statement; the ledger accepts every settlement (issue 31, item 6). Every query
-is charged at least `aggregate.min_epsilon`, so a total pays for a bounded number of queries (item 5)."""
+where it is the RDP statement; the ledger accepts every settlement. Every query is charged at least
+`aggregate.min_epsilon`, so a total pays for a bounded number of queries (the minimum charge)."""
 
 import numpy as np
 import pytest
@@ -26,7 +26,7 @@ def test_an_open_gate_at_a_tiny_epsilon_settles_within_its_reservation(tmp_path)
     """The issue's case: dp_epsilon 1e-5 reserves (1e-5, 0) (basic composition is the smaller
     worst case); a query whose gate answered no was settled at the accountant's (0, 1e-6) (its
     KL bound), more delta than reserved: ``settle`` refused it after the compute. (The operator
-    allows such a small query: the default minimum is 1, item 5.)"""
+    allows such a small query: the default minimum is 1: the minimum charge.)"""
     params = aggregation_params(_config(min_epsilon=1e-6), 1e-5)
     worst = params.worst_case
     assert worst.delta == 0.0 and 1e-5 * (1 - 1e-9) <= worst.epsilon <= 1e-5
@@ -77,7 +77,7 @@ def test_every_reachable_state_settles_exactly_and_within_the_reservation(params
         params.settlement(-1)
 
 
-# --- the minimum charge (issue 31, item 5) ------------------------------------------------------
+# --- the minimum charge (aggregate.min_epsilon) ---------------------------------------------------
 def test_every_query_is_charged_at_least_the_minimum_and_never_more_than_its_reservation():
     cfg = _config()  # epsilon 8: min_epsilon 1
     assert cfg.min_epsilon == 1.0

@@ -1,4 +1,4 @@
-"""Floating point (issue 15, item 11): a float release ``f(x) + z`` is separated from its
+"""Floating point: a float release ``f(x) + z`` is separated from its
 neighbour by its low-order bits; ``GridGaussian`` (grid + exact discrete Gaussian) is not. Also
 the exact integer samplers it is built on: laws against the exact pmf, rejection where plain
 modulo would be biased, the CKS Bernoulli(exp(-x)) building blocks."""

@@ -274,7 +274,7 @@ def test_concurrent_processes_never_overspend(tmp_path):
     assert status.spent == Budget(25.0, 0.0) and status.queries == 25 and status.remaining == Budget(0.0, 0.0)
 
 
-# --- running totals: only what was appended since the last read is parsed (issue 31, item 8) ----
+# --- running totals: only what was appended since the last read is parsed -------------------------
 def _count_parses(monkeypatch):
     from vllm_dp_plugin.privacy import query_ledger
 
@@ -380,7 +380,7 @@ def test_threads_sharing_one_ledger_never_overspend(ledger):
     assert ledger.status("shared", Budget(25.0, 0.0)).spent == Budget(25.0, 0.0)
 
 
-# --- client quotas (issue 31, item 5) -------------------------------------------------------------
+# --- client quotas (aggregate.clients) ------------------------------------------------------------
 ALICE, BOB = Quota("alice", 0.25), Quota("bob", 1.0)
 
 

@@ -117,7 +117,7 @@ def test_metric_guarantee_converts_with_the_metric_diameter(table):
 
 @pytest.mark.parametrize("name", ["mahalanobis", "cmp"])
 def test_a_new_epsilon_costs_no_eigendecomposition_and_no_diameter(monkeypatch, name):
-    """Issue 15.10: requests picking fresh epsilons must not redo the epsilon-free O(d^3) and
+    """Per-request epsilons redo no set-up: requests picking fresh epsilons must not redo the epsilon-free O(d^3) and
     O(V^2 d) work; mechanisms of one table share it, a new table computes its own."""
     from vllm_dp_plugin.prompt import mechanisms
 

@@ -371,7 +371,7 @@ def test_history_cache_reuses_segments_and_spends_only_new_tokens(table):
 
 
 def test_without_a_session_nothing_is_cached_so_a_replay_learns_nothing(table):
-    """Issue 15.4: a client replaying a guessed text must not see ``tokens_reused > 0``."""
+    """The history cache is no membership oracle: a client replaying a guessed text must not see ``tokens_reused > 0``."""
     svc = service(table)
     victim = svc.privatize(prompt_segments(key="turn1"), svc.options())
     replay = svc.privatize(prompt_segments(key="turn1"), svc.options())
@@ -401,7 +401,7 @@ def test_credential_comes_from_the_authorization_and_api_key_headers():
 
 
 def test_a_completion_sent_as_text_then_as_ids_is_never_spliced_at_the_wrong_length(table):
-    """Issue 15.5: ``hello<|end|>world`` as text is one private run of 3 tokens; as token ids the
+    """Segment ids in cache keys: ``hello<|end|>world`` as text is one private run of 3 tokens; as token ids the
     special id is public and splits it into runs of 1 at starts 0 and 2. The cached 3-token run
     must not be spliced into the 1-token run (the raw ``world`` id would reach the engine)."""
     svc = service(table, mechanism="laplace", epsilon=1.0)

@@ -1,4 +1,4 @@
-"""DP aggregation's side channels closed (issue 31 items 1-4), engine-free: a fake engine that,
+"""DP aggregation's side channels closed (error texts, metrics, logs), engine-free: a fake engine that,
 like vLLM, names a too-long prompt's length. Two collections that differ by one document must
 give a client the same bytes everywhere but in the DP outputs: errors (length, engine failure),
 log lines, the prefix cache (salts) and the counters (/metrics, stats log)."""
@@ -202,7 +202,7 @@ def test_each_paraphrase_rewrite_runs_under_a_fresh_cache_salt(tmp_path, tokeniz
     assert len(salts) == 2 and None not in salts and salts[0] != salts[1] and len(salts[0]) == 32
 
 
-# ------------------------------------------------------------------ the budget's wiring (items 5, 8, 9)
+# ------------------------------- the budget's wiring (client quotas, running totals, async ledger) 
 def test_clients_answer_with_their_key_only_and_spend_their_own_share(tmp_path, tokenizer):
     import hashlib
 

@@ -1,4 +1,4 @@
-"""DP aggregation's private path, engine-free (issue 31 item 12): a fake engine records the token
+"""DP aggregation's private path, engine-free: a fake engine records the token
 ids of every sub-request ``AggregateService`` sends. The members' prompts hold exactly their
 documents (each document in one member's prompt, in no other and not in the public one; each
 member's prompt is the chat template over its own documents and the conversation), changing,

@@ -1,4 +1,4 @@
-"""Issue 31 end to end: two `vllm-dp serve` of SmolLM2-135M-Instruct with DP aggregation over
+"""DP aggregation's side channels end to end: two `vllm-dp serve` of SmolLM2-135M-Instruct with DP aggregation over
 collections that differ by one document. What an attacker reads (a too-long prompt's error, an
 ordinary answer's shape and usage, `/metrics`, the server's log) is the same for both, but for the
 DP outputs (the answer's text and its receipt's spent epsilon). Two server starts (~2-4 min)."""

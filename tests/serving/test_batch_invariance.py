@@ -1,4 +1,4 @@
-"""Issue 31 item 7: DP aggregation's public sequence runs in the same engine batches as the
+"""Batch invariance: DP aggregation's public sequence runs in the same engine batches as the
 members, and vLLM is not batch-invariant in general. On the CPU engine (float32) its next-token
 log-probabilities are bit-identical whether it runs alone or beside either of two neighbouring
 collections' members (measured; SECURITY.md states what holds on other devices)."""

@@ -130,7 +130,7 @@ def test_budget_endpoint_and_startup_log_state_the_guarantee(server):
 
 @pytest.mark.vllm
 def test_budget_label_is_no_guessing_oracle(server):
-    """The attack of issue 15: with the public config and the context's tokens, recompute the
+    """The attack on the unkeyed context label: with the public config and the context's tokens, recompute the
     old unkeyed label (SHA-256 of model path, config and ids) and look for it in the budget and
     the log. The served label is keyed: it matches no such recomputation."""
     import hashlib

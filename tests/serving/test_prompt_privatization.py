@@ -366,7 +366,7 @@ def test_http_refuses_what_would_bypass_the_renderer(server):
 
 @pytest.mark.vllm
 def test_http_history_is_reused_only_within_a_secret_session_and_credential(server, tokenizer):
-    """Issue 15.4: the history cache is no membership oracle. A client replaying another's text
+    """The history cache is no membership oracle. A client replaying another's text
     (no session, another session, or the same session string with another credential) is
     noised afresh and its receipt shows no reuse."""
     _, first = chat(server, TURN1, SESSION, api_key="alice-key")
@@ -386,7 +386,7 @@ def test_http_history_is_reused_only_within_a_secret_session_and_credential(serv
 
 @pytest.mark.vllm
 def test_http_lengths_and_truncation_apply_before_privatizing(server, tokenizer):
-    """Issue 15.10/15.12: an over-long chat is refused (vLLM would refuse it) before privatizing;
+    """Lengths checked before privatizing: an over-long chat is refused (vLLM would refuse it) before privatizing;
     with truncate_prompt_tokens (-1 included) only the kept tokens are privatized."""
     long_text = COMPLETION + ". " + " ".join([COMPLETION] * 150)  # ~1500 tokens > max_model_len 1024
     status, reply = chat(server, [{"role": "user", "content": long_text}])

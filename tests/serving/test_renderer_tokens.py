@@ -85,7 +85,7 @@ def test_added_mask_makes_the_added_specials_public_and_every_text_token_private
     ],
 )
 def test_truncate_prompt_tokens_minus_one_survives_the_tokenizers_truncation(template, side, expected):
-    """Issue 15.12: -1 truncates to max_model_len - 1 in the tokenizer; with added specials the
+    """Prompt truncation (``truncate_prompt_tokens``): -1 truncates to max_model_len - 1 in the tokenizer; with added specials the
     result is not a slice of the untruncated ids, which the mask used to require."""
     r = renderer(template, side)
     params = TokenizeParams(max_total_tokens=5, max_output_tokens=1, truncate_prompt_tokens=-1, add_special_tokens=True)
@@ -133,7 +133,7 @@ def refuse_privatizing(r: DPRenderer, monkeypatch) -> None:
 
 
 def test_a_chat_too_long_in_characters_is_refused_before_tokenising_or_privatizing(monkeypatch):
-    """Issue 15.10: a chat vLLM refuses for its length must not be privatized first."""
+    """Lengths checked before privatizing: a chat vLLM refuses for its length must not be privatized first."""
     r = renderer()
     refuse_privatizing(r, monkeypatch)
     monkeypatch.setattr(r, "_encode", lambda text: pytest.fail("tokenised a chat that vLLM refuses"))

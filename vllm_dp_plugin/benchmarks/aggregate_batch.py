@@ -1,11 +1,11 @@
 """``vllm-dp bench aggregate-batch``: answer-level aggregation's member batch against one plain
 request, in transformers (no vLLM: it runs where only torch and transformers are installed).
 
-Answer-level aggregation (issue 32) asks each of k members, all in one batch, for a short greedy
+Answer-level aggregation (``aggregate.mechanism: answer``) asks each of k members, all in one batch, for a short greedy
 answer: the member's documents in the system turn, the question and a public extraction
 instruction (``INSTRUCTION``) in the user turn. This suite times that batch against one plain
 request (the question alone, as many new tokens) on the same model and reports the ratio. Target:
-``TARGET_RATIO`` (issue 32 bounds seconds per answer, members batched, at 3x its `full` row,
+``TARGET_RATIO`` (answer-level aggregation's target bounds seconds per answer, members batched, at 3x its `full` row,
 whose prompt holds every document; the plain request here is shorter, so the bound is stricter).
 
 * Documents: the bundled private-context scenarios (``lib.scenarios.DEFAULT_SCENARIOS``), the

@@ -1,4 +1,4 @@
-"""Canary exposure and validation perplexity of DP fine-tuning a real model (issue 21).
+"""Canary exposure and validation perplexity of DP fine-tuning a real model (the secret sharer test).
 
 Data: Python's bundled documentation (``pydoc_data.topics``, public), split by document into a
 held-out validation part (``--val-records`` windows) and a training part, into which

@@ -1,4 +1,4 @@
-"""DPFormer reproduction on synthetic long-tailed data (issue 6).
+"""DPFormer reproduction on synthetic long-tailed data (DP training of a recommender).
 
 Data: ``trainer.synthetic`` users (Zipf item popularity, cluster transitions; default 1000
 private users, 300 items, sequences of at most 15 items) split leave-one-out (train

@@ -17,7 +17,7 @@ model's tokenizer (identical outputs, token preservation N_w for ``trlap_correct
 ``gaussian_analytic`` and ``laplace`` at eps 10, 50, 200 per token; target: N_w within 1 pp).
 
 The two servers run ``--repeats`` times, interleaved; the median over runs of the mean TTFT is
-compared. Target (issue 20): overhead <= 10% on CPU for 512-token prompts on SmolLM2-135M-Instruct
+compared. Target (prompt privatization's speed): overhead <= 10% on CPU for 512-token prompts on SmolLM2-135M-Instruct
 (``--model .models/smollm2-135m-instruct``, vocabulary 49,152 x 576; the demo model's vocabulary
 search is half its prefill, so the demo is no longer the target's model).
 Writes ``prompt-ttft-<device>-<date>.{md,json}`` into ``--out``.

@@ -1,4 +1,4 @@
-"""DP training (issue 6): per-sample gradient norms without per-sample gradients (ghost norms,
+"""DP training: per-sample gradient norms without per-sample gradients (ghost norms,
 Phantom Clipping for tied embeddings), DP-SGD/DP-Adam with Poisson sampling and an accountant,
 Re-Attention, and ``vllm-dp train``. Pure torch, no vLLM."""
 

@@ -7,7 +7,7 @@ faiss, no vLLM): the section ``vllm-dp bench prompt-ttft --search hnsw|ivf`` add
   that ship with Python, ``pydoc_data.topics``) tokenised by the model's tokenizer; every token's
   clipped embedding is noised once per (mechanism, per-token eps) and BOTH searches project the
   same noisy vectors. Reported: the fraction of identical outputs, and token preservation N_w
-  (fraction of tokens mapped back to themselves) of each search. Target (issue 20): N_w within
+  (fraction of tokens mapped back to themselves) of each search. Target (approximate search as useful as exact): N_w within
   ``MAX_NW_GAP`` (1 percentage point) of exact search.
 """
 
