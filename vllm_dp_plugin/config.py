@@ -548,7 +548,7 @@ class PromptPrivacyConfig:
     start-up, ``hnsw`` (HNSW, M 32, efSearch 128) or ``ivf`` (IVF-Flat, nlist ~ 4 sqrt(K),
     nprobe 32), whose best 8 (at most ``topk``) are re-ranked exactly; approximate search runs on CPU and is
     post-processing of the noisy vector, so it moves utility and speed, never privacy (``expmech``
-    always samples over exact distances). Measured on SmolLM2-135M (issue 20), neither keeps token
+    always samples over exact distances). Measured on SmolLM2-135M, neither keeps token
     preservation within 1 pp of exact search (DP noise puts the queries far from every row, where
     graph and partition indexes lose recall), so ``exact`` stays the default. ``allow_request_override``: requests may pick mechanism and
     epsilon (``vllm_xargs``: ``dp_mechanism``, ``dp_epsilon``), capped by ``max_epsilon`` when set.
