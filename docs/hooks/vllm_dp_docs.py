@@ -120,13 +120,23 @@ def _docstring(cls: type) -> str:
 
 
 def _field_description(doc: str, name: str) -> str:
-    """The docstring sentences naming ``name`` in double backticks (the field's description)."""
-    flat = " ".join(doc.split())
-    sentences = re.split(r"(?<=[.;])\s+(?=``|[A-Z])", flat)
-    hits = [s for s in sentences if f"``{name}``" in s]
-    text = " ".join(hits[:2])
-    if len(text) > 400:
-        text = text[:397] + "..."
+    """The docstring's clause about ``name`` (clauses end at ". " or "; " outside parentheses):
+    the first one starting with it in double backticks, else the first one naming it."""
+    clauses: list[str] = []
+    for piece in re.split(r"(?<=[.;])\s+(?=``|[A-Z])", " ".join(doc.split())):
+        prose = re.sub(r"``.*?``", "", clauses[-1]) if clauses else ""  # code may hold "(0, 1]"
+        if prose.count("(") > prose.count(")"):
+            clauses[-1] += " " + piece
+        else:
+            clauses.append(piece)
+    key = f"``{name}``"
+    found = [c for c in clauses if c.startswith(key)] or [c for c in clauses if key in c]
+    if not found:
+        return ""
+    text = found[0].rstrip(";")
+    text = text if text.endswith(".") else text + "."
+    if len(text) > 500:
+        text = text[:497] + "..."
     return text.replace("``", "`").replace("|", "\\|")
 
 
