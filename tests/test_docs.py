@@ -1,0 +1,47 @@
+"""The documentation site builds with ``mkdocs build --strict`` (a broken link, a missing page
+or a page that fails to generate fails it), generated pages are not committed, and the docs
+name features, not tracker numbers."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+GENERATED = ("docs/reference/configuration.md", "docs/reference/cli.md", "docs/benchmarks/results.md", "docs/benchmarks/index.md",
+             "docs/index.md", "docs/security.md")
+
+
+def test_strict_build(tmp_path):
+    pytest.importorskip("mkdocs")
+    pytest.importorskip("material")
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1", "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet",
+                          "--site-dir", str(tmp_path / "site")], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=300, check=False)
+    assert out.returncode == 0, out.stdout + out.stderr
+    site = tmp_path / "site"
+    config = (site / "reference" / "configuration" / "index.html").read_text(encoding="utf-8")
+    for key in ("total_epsilon", "facts_per_document", "paraphrase_max_tokens", "public_head"):
+        assert key in config, key
+    cli = (site / "reference" / "cli" / "index.html").read_text(encoding="utf-8")
+    assert "vllm-dp bench aggregate-batch" in cli and "example:" in cli
+    assert (site / "benchmarks" / "results" / "context-answer-cpu-2core-2026-11-28" / "index.html").is_file()
+    assert (site / "examples" / "serve-smollm2-aggregate.yaml").is_file()
+
+
+def test_generated_pages_are_not_committed():
+    assert not [p for p in GENERATED if (ROOT / p).exists()]
+
+
+def test_no_tracker_numbers_in_docs():
+    pattern = re.compile(r"\bissues? \d+|\(#\d+\)", re.IGNORECASE)
+    files = [*sorted((ROOT / "docs").rglob("*.md")), ROOT / "README.md", ROOT / "SECURITY.md"]
+    hits = [f"{p.relative_to(ROOT)}:{n}: {line.strip()[:80]}" for p in files
+            for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if pattern.search(line)]
+    assert not hits, "\n".join(hits)
