@@ -19,6 +19,7 @@
     vllm-dp bench context [options]             private context: shared facts, secret leak, public answers vs eps
     vllm-dp bench whisper [options]             Whisper tiny.en word error rate vs eps (DP cross-attention)
     vllm-dp bench attention-real [options]      offline per-layer causes on SmolLM2: sinks, kernel error, noise
+    vllm-dp bench attention-ladder [options]    offline noise-free ladder: full, block, uniform, clustered, Taylor
     vllm-dp bench aggregate-batch [options]     answer-level aggregation's member batch vs one plain request
 """
 
@@ -50,6 +51,7 @@ BENCH_SUITES = {  # `vllm-dp bench SUITE` -> (module in vllm_dp_plugin.benchmark
     "context": ("context", "private context on a chat model: shared facts kept, secret leaked, public answers vs eps"),
     "whisper": ("whisper", "Whisper tiny.en word error rate vs eps with DP cross-attention (stock, dp_off, state, tree)"),
     "attention-real": ("attention_real", "why DP attention garbles a real chat model, offline: sinks, kernel error, noise, per layer"),
+    "attention-ladder": ("attention_ladder", "can a bounded kernel carry a real model's private context? the noise-free ladder, offline"),
     "aggregate-batch": ("aggregate_batch", "answer-level aggregation: k member prompts batched vs one plain request (transformers)"),
 }
 

@@ -29,6 +29,7 @@ EXAMPLES = {
     "context": "vllm-dp bench context --quick --rows none,full,aggregate_answer --out /tmp/bench-context",
     "whisper": "vllm-dp bench whisper --quick --out /tmp/bench-whisper",
     "attention-real": "vllm-dp bench attention-real --quick --out /tmp/bench-attention-real",
+    "attention-ladder": "vllm-dp bench attention-ladder --limit 1 --sizes '' --modes full,block,clustered64 --out /tmp/bench-ladder",
     "aggregate-batch": "vllm-dp bench aggregate-batch --quick --out /tmp/bench-aggregate-batch",
 }
 
