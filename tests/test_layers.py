@@ -9,7 +9,10 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1] / "vllm_dp_plugin"
+REPO = Path(__file__).resolve().parents[1]
+ROOT = REPO / "vllm_dp_plugin"
+# packages whose sources live outside vllm_dp_plugin/ (setup.py's package_dir)
+SOURCES = {"kernels": REPO / "kernels"}
 
 # package -> the vllm_dp_plugin packages/modules it may import (besides itself)
 ALLOWED = {
@@ -24,7 +27,7 @@ ALLOWED = {
     "plan": {"privacy", "attention", "aggregate", "config", "lru"},
 }
 VLLM_ALLOWED = {"serving", "benchmarks"}
-ACYCLIC = ("attention",)  # packages whose modules import one another without a cycle
+ACYCLIC = ("attention", "kernels")  # packages whose modules import one another without a cycle
 
 
 def _imports(source: str, here: tuple[str, ...]) -> set[str]:
@@ -52,12 +55,36 @@ def _imports(source: str, here: tuple[str, ...]) -> set[str]:
     return out
 
 
+def _package_path(path: Path) -> tuple[str, ...]:
+    """The parts of ``path`` under ``vllm_dp_plugin`` as imported (``kernels/x.py`` -> kernels, x.py)."""
+    for name, source in SOURCES.items():
+        if path.is_relative_to(source):
+            return (name, *path.relative_to(source).parts)
+    return path.relative_to(ROOT).parts
+
+
 def _file_imports(path: Path) -> set[str]:
-    return _imports(path.read_text(encoding="utf-8"), path.relative_to(ROOT).parts[:-1])
+    return _imports(path.read_text(encoding="utf-8"), _package_path(path)[:-1])
+
+
+def _package_dir(name: str) -> Path:
+    return SOURCES.get(name, ROOT / name)
 
 
 def _package_files(name: str) -> list[Path]:
-    return sorted((ROOT / name).rglob("*.py")) if (ROOT / name).is_dir() else [ROOT / f"{name}.py"]
+    return sorted(_package_dir(name).rglob("*.py")) if _package_dir(name).is_dir() else [ROOT / f"{name}.py"]
+
+
+def _all_files() -> list[Path]:
+    return sorted([*ROOT.rglob("*.py"), *(p for source in SOURCES.values() for p in source.rglob("*.py"))])
+
+
+def test_kernels_are_installed_from_the_top_level_kernels_directory():
+    """setup.py's package_dir: ``vllm_dp_plugin.kernels`` is imported from ``kernels/``."""
+    import vllm_dp_plugin.kernels
+
+    assert Path(vllm_dp_plugin.kernels.__file__).resolve().parent == SOURCES["kernels"]
+    assert not (ROOT / "kernels").exists()
 
 
 @pytest.mark.parametrize("package", sorted(ALLOWED))
@@ -66,13 +93,13 @@ def test_each_layer_imports_only_the_layers_below(package):
     for path in _package_files(package):
         above = _file_imports(path) - ALLOWED[package] - {package, "vllm"}
         if above:
-            bad[str(path.relative_to(ROOT))] = sorted(above)
+            bad["/".join(_package_path(path))] = sorted(above)
     assert not bad, f"{package} imports layers above it: {bad}"
 
 
 def test_only_serving_imports_vllm():
-    bad = [str(p.relative_to(ROOT)) for p in sorted(ROOT.rglob("*.py"))
-           if "vllm" in _file_imports(p) and p.relative_to(ROOT).parts[0] not in VLLM_ALLOWED]
+    bad = ["/".join(_package_path(p)) for p in _all_files()
+           if "vllm" in _file_imports(p) and _package_path(p)[0] not in VLLM_ALLOWED]
     assert not bad, f"vllm imported outside serving/: {bad}"
 
 
@@ -126,7 +153,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str]:
 @pytest.mark.parametrize("package", ACYCLIC)
 def test_a_package_s_modules_import_one_another_without_a_cycle(package):
     graph = {p.stem: _module_imports(p.read_text(encoding="utf-8"), package) - {p.stem}
-             for p in sorted((ROOT / package).glob("*.py"))}
+             for p in sorted(_package_dir(package).glob("*.py"))}
     assert not _cycle(graph), f"import cycle in {package}/: {' -> '.join(_cycle(graph))}"
 
 

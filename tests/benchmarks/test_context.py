@@ -13,14 +13,14 @@ from vllm_dp_plugin.benchmarks.context import kept_rows, running
 from vllm_dp_plugin.benchmarks.context.report import markdown, plot
 from vllm_dp_plugin.benchmarks.context.rows import ROWS, dp_request
 from vllm_dp_plugin.benchmarks.context.running import Bench, jobs_of, run, server_parts
-from vllm_dp_plugin.benchmarks.context.scenarios import (
+from vllm_dp_plugin.benchmarks.context.scoring import ROW_KEYS, Answer, summarize, unfit
+from vllm_dp_plugin.benchmarks.context.speed import answer_speed_markdown
+from vllm_dp_plugin.benchmarks.lib.scenario_generator import (
     SUPPORTS,
     make_scenario,
     make_scenarios,
     write_scenarios,
 )
-from vllm_dp_plugin.benchmarks.context.scoring import ROW_KEYS, Answer, summarize, unfit
-from vllm_dp_plugin.benchmarks.context.speed import answer_speed_markdown
 from vllm_dp_plugin.benchmarks.lib.scenarios import (
     DEFAULT_SCENARIOS,
     ChatLayout,

@@ -48,7 +48,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from vllm_dp_plugin.benchmarks.context.scenarios import make_scenario
 from vllm_dp_plugin.benchmarks.lib.cli import (
     add_date_arg,
     add_out_arg,
@@ -59,6 +58,7 @@ from vllm_dp_plugin.benchmarks.lib.cli import (
     today,
 )
 from vllm_dp_plugin.benchmarks.lib.progress import Progress
+from vllm_dp_plugin.benchmarks.lib.scenario_generator import make_scenario
 from vllm_dp_plugin.benchmarks.lib.scenarios import (
     ChatLayout,
     is_correct,

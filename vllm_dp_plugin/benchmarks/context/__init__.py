@@ -53,7 +53,7 @@ one JSON object per line::
      "questions": [{"q": str, "answers": [str, ...], "kind": "shared" | "secret" | "public",
                     "support": int}, ...]}
 
-The suite is a package: ``scenarios`` (the generator), ``scoring`` (answers, result rows),
+The suite is a package (its scenario generator is ``lib.scenario_generator``): ``scoring`` (answers, result rows),
 ``rows`` (``ROWS``: servers and requests), ``report`` (markdown, plot), ``running`` (``Bench``,
 servers, ``run``), ``speed`` (``--speed``) and here ``add_cli_args`` and ``main``. Run it as
 ``vllm-dp bench context`` or ``python -m vllm_dp_plugin.benchmarks.context``.
@@ -74,7 +74,6 @@ from pathlib import Path
 from vllm_dp_plugin.benchmarks.context.report import KERNEL_ONLY_EPS, markdown, plot
 from vllm_dp_plugin.benchmarks.context.rows import ROWS
 from vllm_dp_plugin.benchmarks.context.running import Bench, jobs_of, run
-from vllm_dp_plugin.benchmarks.context.scenarios import make_scenarios, write_scenarios
 from vllm_dp_plugin.benchmarks.context.speed import (
     ANSWER_DOCUMENTS,
     SPEED_MEMBERS,
@@ -86,6 +85,7 @@ from vllm_dp_plugin.benchmarks.context.speed import (
 from vllm_dp_plugin.benchmarks.lib.cli import DEFAULT_OUT, parse, today
 from vllm_dp_plugin.benchmarks.lib.environment import default_device, device_label
 from vllm_dp_plugin.benchmarks.lib.report import shown, suffixed, write_json, write_text
+from vllm_dp_plugin.benchmarks.lib.scenario_generator import make_scenarios, write_scenarios
 from vllm_dp_plugin.benchmarks.lib.scenarios import (
     ANSWER_TOKENS,
     DEFAULT_CACHE,

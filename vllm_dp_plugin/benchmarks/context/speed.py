@@ -18,7 +18,7 @@ from vllm_dp_plugin.benchmarks.context.rows import (
     stock_server,
 )
 from vllm_dp_plugin.benchmarks.context.running import Bench, RunningServer, ask_all
-from vllm_dp_plugin.benchmarks.context.scenarios import SUPPORTS, make_scenario
+from vllm_dp_plugin.benchmarks.lib.scenario_generator import SUPPORTS, make_scenario
 from vllm_dp_plugin.benchmarks.lib.scenarios import ChatLayout
 
 SPEED_MEMBERS = (4, 8, 16)

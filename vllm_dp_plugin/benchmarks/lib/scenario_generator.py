@@ -1,5 +1,6 @@
-"""The scenario generator of ``vllm-dp bench context`` (``--make-scenarios``): a fictional company per
-scenario, shared facts stated by ``support`` documents, one secret fact (one document), public questions."""
+"""The private-context scenario generator (``vllm-dp bench context --make-scenarios``; ``bench
+attention-ladder``'s large collections): a fictional company per scenario, shared facts stated by
+``support`` documents, one secret fact (one document), public questions."""
 
 from __future__ import annotations
 
