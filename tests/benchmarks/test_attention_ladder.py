@@ -157,3 +157,20 @@ def test_collection_segments_are_the_documents():
     assert all(a[1] == b[0] for a, b in zip(coll.segments, coll.segments[1:], strict=False))
     for (s, e), doc in zip(coll.segments, docs, strict=True):
         assert layout.tokenizer.decode(coll.ids[s:e]).startswith(doc)
+
+
+class CharTokenizer:
+    """Public text as ids of the tiny model's vocabulary (one id per character)."""
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [4 + ord(c) % (VOCAB - 4) for c in text[:20_000]]
+
+
+def test_public_keys_give_the_taylor_centre_and_centroids_per_layer_and_kv_head(model):
+    public = ladder.public_keys(model, CharTokenizer(), [1, 2, 3], 400, (4,))
+    assert set(public.mean) == set(public.centroids[4]) == set(range(LAYERS))
+    for layer in range(LAYERS):
+        assert public.mean[layer].shape == (KV_HEADS, HEAD_DIM)
+        assert public.centroids[4][layer].shape == (KV_HEADS, 4, HEAD_DIM)
+    again = ladder.public_keys(model, CharTokenizer(), [1, 2, 3], 400, (4,))  # seeded: reproducible
+    assert torch.equal(public.centroids[4][1], again.centroids[4][1])

@@ -277,14 +277,14 @@ class PublicKeys:
     centroids: dict[int, dict[int, torch.Tensor]]  # m -> layer -> [H_kv, m, D]
 
 
-def public_keys(model, tokenizer, coll: Collection, ms: Sequence[int], seed: int = 0) -> PublicKeys:
+def public_keys(model, tokenizer, head: Sequence[int], end: int, ms: Sequence[int], seed: int = 0) -> PublicKeys:
+    """Public text encoded as documents after ``head`` at positions spread over ``[len(head), end)``."""
     from vllm_dp_plugin.demo import public_corpus
 
     text = "\n".join(public_corpus())
     pool = tokenizer.encode(text, add_special_tokens=False)
     rng = random.Random(seed)
-    h, p = coll.span
-    head = coll.ids[:h]
+    head, h, p = list(head), len(head), end
     phase = Phase(kind="capture", head=h)
     for i in range(CALIBRATION_DOCS):
         at = rng.randrange(len(pool) - CALIBRATION_CHUNK)
@@ -356,8 +356,7 @@ def run_collection(model, layout: ChatLayout, coll: Collection, modes: Sequence[
     ms = sorted({_centroids(m) for m in modes} - {0})
     klass = (span[0], -(-span[1] // 512) * 512)
     if klass not in publics:
-        publics[klass] = public_keys(model, tok, Collection("", [*coll.ids[:span[0]], *[0] * (klass[1] - span[0])],
-                                                            span[0], [], [], []), ms)
+        publics[klass] = public_keys(model, tok, coll.ids[:span[0]], klass[1], ms)
     public = publics[klass]
     replaced = {m: nearest(block, public.centroids[m], span) for m in ms}
     log(f"  {coll.name}: {len(coll.documents)} documents, {len(coll.ids)} context tokens, "
