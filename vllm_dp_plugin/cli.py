@@ -289,7 +289,7 @@ def _release_facts(args: argparse.Namespace, rest: list[str]) -> int:
         count = lambda text: len(tokenizer.encode(text, add_special_tokens=False))
     key = NoiseKey(config.key_file)
     try:
-        released = release_fact_sheets(config.fact_sheet, key, ReleaseLedger(key, config.ledger_file), count)
+        released = release_fact_sheets(config.fact_sheet, key, ReleaseLedger(key, config.ledger_store(key)), count)
     except (ReleaseRefused, ForeignEntries) as exc:
         print(f"vllm-dp: release refused: {exc}", file=sys.stderr)
         return 1

@@ -21,6 +21,7 @@ from typing import Any
 from .attention.params import FEATURES, STATE_MECHANISMS
 from .privacy.accountant import COMPOSITIONS
 from .privacy.aggregation import AGGREGATION_MECHANISMS, ANSWER, GATES
+from .privacy.ledger_store import is_postgres
 from .privacy.query_ledger import Quota
 from .privacy.validation import check_count, check_delta, check_epsilon, check_positive
 from .prompt.options import PROMPT_MECHANISMS
@@ -253,8 +254,9 @@ class AggregatePrivacyConfig:
 
     Unit: one document (add/remove: its text and presence, so which documents exist and their
     number up to one; a replacement is two), per query; budgets are spent per query and recorded per
-    context in a persistent ledger (``budget_file``, default ``queries.jsonl`` beside the noise
-    key). ``contexts``: the collections, a mapping name -> source (a JSONL file, ``{"id", "text"}``
+    context in the deployment's ledger (``dp_privacy.ledger``; ``budget_file``: a JSONL query
+    ledger of an earlier version to import, default ``queries.jsonl`` beside the noise key).
+    ``contexts``: the collections, a mapping name -> source (a JSONL file, ``{"id", "text"}``
     per line, every line with its own id, or a directory whose ``*.txt`` files are the documents) or a directory whose
     ``*.jsonl`` files are the collections, named by their stem; the first is the default, a
     request picks one with ``vllm_xargs.dp_context``. Documents over ``max_document_tokens``
@@ -633,12 +635,16 @@ class DPPrivacyConfig:
     itself); ``fact_sheet`` a DP fact sheet released once per collection and served as a plain
     context. ``attention``, ``aggregate`` and ``fact_sheet`` exclude each other.
     ``key_file``: the secret noise key (default ``$VLLM_DP_KEY_FILE`` or
-    ``~/.config/vllm-dp/noise.key``); ``ledger_file``: the release ledger (default
-    ``releases.jsonl`` beside the key). Keep both for the life of the deployment: a new key draws
-    new noise, i.e. releases the private context again.
+    ``~/.config/vllm-dp/noise.key``); ``ledger``: where every budget record lives (releases and
+    queries): a SQLite file (default ``ledger.sqlite`` beside the key) or a PostgreSQL URL
+    (``postgresql://user@host/db``, shared by every server of one collection); ``ledger_file``: a
+    JSONL release ledger of an earlier version, imported into ``ledger`` at the first start
+    (default ``releases.jsonl`` beside the key). Keep the key and the ledger for the life of the
+    deployment: a new key draws new noise, i.e. releases the private context again.
     """
 
     key_file: str | None = None
+    ledger: str | None = None
     ledger_file: str | None = None
     attention: AttentionPrivacyConfig | None = None
     prompt: PromptPrivacyConfig | None = None
@@ -653,10 +659,11 @@ class DPPrivacyConfig:
         _no_unknown_keys(raw, cls, CONFIG_KEY)
         sections = {"attention": AttentionPrivacyConfig, "prompt": PromptPrivacyConfig,
                     "aggregate": AggregatePrivacyConfig, "fact_sheet": FactSheetPrivacyConfig}
-        parsed: dict[str, Any] = {"key_file": raw.get("key_file"), "ledger_file": raw.get("ledger_file")}
+        parsed: dict[str, Any] = {name: raw.get(name) for name in ("key_file", "ledger", "ledger_file")}
         for name, value in parsed.items():
-            if value is not None and not isinstance(value, str):
-                raise ConfigError(f"{CONFIG_KEY}.{name} must be a file path, got {value!r}")
+            if value is not None and (not isinstance(value, str) or not value):
+                what = "a SQLite file path or a postgresql:// URL" if name == "ledger" else "a file path"
+                raise ConfigError(f"{CONFIG_KEY}.{name} must be {what}, got {value!r}")
         for name, section_cls in sections.items():
             if raw.get(name) is not None:
                 parsed[name] = _build(section_cls, raw[name], f"{CONFIG_KEY}.{name}")
@@ -678,6 +685,19 @@ class DPPrivacyConfig:
         """Load YAML or JSON; the file may hold the section itself or ``{dp_privacy: {...}}``.
         Relative file paths in it stay as written (``section_from_file`` resolves them)."""
         return cls.from_dict(_read_section(path))
+
+    def ledger_store(self, key):
+        """The deployment's ledger store (``ledger``) for noise key ``key``, with the JSONL
+        ledgers of earlier versions (``ledger_file``, ``aggregate.budget_file``) imported.
+        Raises ``ConfigError`` naming the key when it cannot be opened or imported."""
+        from .privacy.ledger_migration import LedgerMigrationError, open_ledger
+        from .privacy.ledger_store import LedgerUnavailable
+
+        budget_file = self.aggregate.budget_file if self.aggregate is not None else None
+        try:
+            return open_ledger(self.ledger, key, budget_file, self.ledger_file)
+        except (LedgerUnavailable, LedgerMigrationError) as exc:
+            raise ConfigError(f"{CONFIG_KEY}.ledger: {exc}") from None
 
     @property
     def enabled(self) -> bool:
@@ -720,8 +740,8 @@ def section_from_file(path: str | Path) -> Any:
     base = Path(path).resolve().parent
     if not isinstance(raw, dict):
         return raw
-    for name in ("key_file", "ledger_file"):
-        if isinstance(raw.get(name), str):
+    for name in ("key_file", "ledger", "ledger_file"):
+        if isinstance(raw.get(name), str) and not (name == "ledger" and is_postgres(raw[name])):
             raw[name] = str(base / raw[name])
     for section in ("aggregate", "fact_sheet"):
         agg = raw.get(section)

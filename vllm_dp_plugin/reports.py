@@ -54,7 +54,7 @@ def stored_query_ledger(config: DPPrivacyConfig):
     if not key_path.exists():
         return None
     key = NoiseKey(key_path)
-    return QueryLedger(key, config.aggregate.budget_file or key_path.parent / QUERY_LEDGER_NAME)
+    return QueryLedger(key, config.ledger_store(key))
 
 
 def aggregate_statement(agg: AggregatePrivacyConfig, ledger) -> dict:
@@ -91,7 +91,6 @@ def fact_sheet_statement(cfg: FactSheetPrivacyConfig, released: dict) -> dict:
 FACT_SHEET_SCOPE = "per collection: one release, then every query is free (the sheet is public)"
 AGGREGATE_SCOPE = ("per collection: each collection has its own total budget, spent by the queries "
                    "that use it (basic composition over queries)")
-QUERY_LEDGER_NAME = "queries.jsonl"
 
 
 def context_lengths(config: DPPrivacyConfig, shape, model: str) -> dict[str, tuple[int, int]]:

@@ -187,7 +187,7 @@ def test_row_registry_jobs_and_servers(tmp_path, monkeypatch):
         att = cfg["attention"]
         assert att["mode"] == "tree" and att["epsilon"] == eps and att["composition"] == composition
         assert list(att["contexts"]) == ["s000", "s001"] and att["calibration"] == str(tmp_path / "cal.json")
-        assert cfg["key_file"].startswith(str(tmp_path)) and cfg["ledger_file"].startswith(str(tmp_path))
+        assert cfg["key_file"].startswith(str(tmp_path)) and cfg["ledger"].startswith(str(tmp_path))
 
 
 def test_rows_of_one_mode_get_their_own_config_and_ledger_and_document_rows_their_collections(tmp_path, monkeypatch):
@@ -200,7 +200,7 @@ def test_rows_of_one_mode_get_their_own_config_and_ledger_and_document_rows_thei
     for row in ("dp_state", "dp_state_head", "dp_state_bare", "dp_state_doc"):
         server = ROWS[row].server(b, 8.0, b.scenarios)
         configs[row] = json.loads(Path(server.cmd[server.cmd.index("--dp-config") + 1]).read_text())["dp_privacy"]
-    assert len({c["ledger_file"] for c in configs.values()}) == 4
+    assert len({c["ledger"] for c in configs.values()}) == 4
     assert configs["dp_state_bare"]["attention"]["public_head"] == 0 and configs["dp_state_head"]["attention"]["gate"] is False
     doc = configs["dp_state_doc"]["attention"]
     assert doc["unit"] == "document" and all(p.endswith(".jsonl") for p in doc["contexts"].values())

@@ -69,7 +69,7 @@ def test_sentences_are_fixed_and_calibration_audio_is_other_speech():
 def test_dp_sections_keep_key_and_ledger_in_the_run_and_pick_the_composition(tmp_path):
     assert bench.composition(8.0) == bench.composition(100.0) == "pld" and bench.composition(1000.0) == "basic"
     off = bench.dp_config(tmp_path, None)["dp_privacy"]
-    assert off == {"key_file": str(tmp_path / "noise.key"), "ledger_file": str(tmp_path / "releases.jsonl")}
+    assert off == {"key_file": str(tmp_path / "noise.key"), "ledger": str(tmp_path / "ledger.sqlite")}
     att = bench.attention_section("state", 1e7, tmp_path / "cal.json", {"degree": 1})
     assert att == {"mode": "state", "epsilon": 1e7, "delta": bench.DELTA, "composition": "basic",
                    "calibration": str(tmp_path / "cal.json"), "degree": 1}

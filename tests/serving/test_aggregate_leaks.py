@@ -19,6 +19,7 @@ from tests.serving.fake_engine import FakeEngine
 from vllm_dp_plugin.config import AggregatePrivacyConfig, ConfigError, parse_section
 from vllm_dp_plugin.privacy.accountant import Budget
 from vllm_dp_plugin.privacy.keyed_noise import NoiseKey
+from vllm_dp_plugin.privacy.ledger_store import open_store
 from vllm_dp_plugin.serving.aggregate import QUERY_FAILED, AggregateService
 from vllm_dp_plugin.serving.http import COUNTERS_CLOSED, PrivateContextGuard, check_log_stats
 from vllm_dp_plugin.serving.launch import serve_arguments
@@ -40,12 +41,11 @@ def service(tmp_path, tokenizer, docs, engine=None, **settings) -> AggregateServ
     """A service over one collection ``docs`` (ids d0, d1, ...; a removed document keeps the others' ids)."""
     path = tmp_path / f"docs-{len(docs)}.jsonl"
     path.write_text("".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in docs))
-    settings = {"members": 4, "epsilon": 4.0, "total_epsilon": 400.0, "max_tokens": 8, "gate": "none",
-                "budget_file": str(tmp_path / f"q-{len(docs)}.jsonl"), **settings}
+    settings = {"members": 4, "epsilon": 4.0, "total_epsilon": 400.0, "max_tokens": 8, "gate": "none", **settings}
     cfg = AggregatePrivacyConfig(contexts={"c": str(path)}, **settings)
     engine = engine or FakeEngine(len(tokenizer), MAX_MODEL_LEN)
     return AggregateService(cfg, engine, tokenizer, NoiseKey(tmp_path / "noise.key"), "m", (tokenizer.eos_token_id,),
-                            MAX_MODEL_LEN)
+                            MAX_MODEL_LEN, open_store(tmp_path / f"ledger-{len(docs)}.sqlite"))
 
 
 def neighbours(tmp_path, tokenizer, **kw) -> tuple[AggregateService, AggregateService]:
@@ -246,4 +246,20 @@ def test_a_lost_key_refuses_to_start_over_the_old_ledger(tmp_path, tokenizer):
     (tmp_path / "noise.key").unlink()  # lost: the next start makes a new key
     with pytest.raises(ConfigError, match="allow_foreign_ledger"):
         service(tmp_path, tokenizer, docs)
-    assert service(tmp_path, tokenizer, docs, allow_foreign_ledger=True).ledger.check_key() == 2
+    assert service(tmp_path, tokenizer, docs, allow_foreign_ledger=True).ledger.check_key() == 1  # its one reservation
+
+
+def test_a_ledger_that_cannot_be_written_refuses_with_503_before_any_member_runs(tmp_path, tokenizer):
+    """Disk full or a read-only file: the reservation fails, so nothing may be computed; the
+    client gets a 503 naming no path, and the log says why."""
+    import sqlite3
+
+    svc = service(tmp_path, tokenizer, [("d0", DOCS[0]), ("d1", DOCS[1])])
+    store = svc.ledger.store
+    path = store.path
+    store._conn.close()
+    store._conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, isolation_level=None, check_same_thread=False)
+    body = {"messages": [{"role": "user", "content": "When?"}], "max_tokens": 2}
+    status, error = answer(svc, "/v1/chat/completions", body)
+    assert status == 503 and "ledger" in error["error"]["message"] and str(tmp_path) not in json.dumps(error)
+    assert svc.source.engine.calls == [] and queries(svc) == 0

@@ -17,6 +17,7 @@ pytest.importorskip("vllm")
 from tests.serving.fake_engine import FakeEngine
 from vllm_dp_plugin.config import AggregatePrivacyConfig
 from vllm_dp_plugin.privacy.keyed_noise import NoiseKey
+from vllm_dp_plugin.privacy.ledger_store import open_store
 from vllm_dp_plugin.serving.aggregate import AggregateService
 
 MAX_MODEL_LEN = 1024
@@ -51,9 +52,9 @@ def service(tmp_path, tokenizer, docs: dict[str, str], tag: str, **settings) -> 
     path = where / "docs.jsonl"
     path.write_text("".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in docs.items()))
     settings = {"members": 4, "epsilon": 4.0, "total_epsilon": 400.0, "max_tokens": 4, **settings}
-    cfg = AggregatePrivacyConfig(contexts={"c": str(path)}, budget_file=str(where / "queries.jsonl"), **settings)
+    cfg = AggregatePrivacyConfig(contexts={"c": str(path)}, **settings)
     return AggregateService(cfg, FakeEngine(len(tokenizer), MAX_MODEL_LEN), tokenizer, fixed_key(tmp_path), "m",
-                            (tokenizer.eos_token_id,), MAX_MODEL_LEN)
+                            (tokenizer.eos_token_id,), MAX_MODEL_LEN, open_store(where / "ledger.sqlite"))
 
 
 def answer(svc: AggregateService, path: str, body: dict) -> dict:

@@ -25,8 +25,9 @@ def observe(tmp_path, model, docs: list[tuple[str, str]], tag: str) -> dict:
     path = where / "docs.jsonl"
     path.write_text("".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in docs))
     section = {"key_file": str(tmp_path / "noise.key"),  # one key: the same partition of the shared documents
+               "ledger": str(where / "ledger.sqlite"),
                "aggregate": {"contexts": {"harlow": str(path)}, "members": 4, "epsilon": 4.0, "total_epsilon": 40.0,
-                             "max_tokens": 4, "budget_file": str(where / "queries.jsonl")}}
+                             "max_tokens": 4}}
     config = where / "dp.json"
     config.write_text(json.dumps({"dp_privacy": section}))
     log = where / "serve.log"

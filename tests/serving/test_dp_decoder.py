@@ -46,7 +46,7 @@ def exact_dp(demo_model, deployment):
     release ledger: the eps = 1 deployment below releases the same context again, which the
     shared ledger would refuse (tests/serving/test_engine_checks.py)."""
     section = {**dp_section(deployment, 1e6, composition="basic", public_head=2),
-               "ledger_file": str(deployment / "exact.jsonl")}
+               "ledger": str(deployment / "exact.sqlite")}
     return run_engine(dp_job(demo_model, section, [GENERATE]))[0]
 
 

@@ -121,7 +121,7 @@ def test_ledger_refuses_a_second_release_under_other_noise(demo_model, tmp_path)
     ledger = settings.budget_payload(vllm_config(demo_model, allowed))["contexts"][0]["ledger"]
     assert ledger["releases_of_this_context"] == 2
     assert ledger["total_spent"]["epsilon"] == pytest.approx(2.0 + 4.0, rel=1e-6)
-    text = (tmp_path / "releases.jsonl").read_text()
+    text = "".join(p.read_bytes().decode("latin-1") for p in tmp_path.glob("ledger.sqlite*"))
     assert "Bluebird" not in text and json.dumps(list(settings.private_contexts(
         vllm_config(demo_model, section))[0].token_ids[:4]))[1:-1] not in text
 

@@ -25,7 +25,7 @@ def write_config(tmp_path, **settings) -> tuple:
     docs = tmp_path / "ostravo.jsonl"
     docs.write_text("".join(json.dumps({"id": f"d{i}", "text": t}) + "\n" for i, t in enumerate(collection())))
     (tmp_path / "empty.jsonl").write_text(json.dumps({"id": "x", "text": "Nothing here."}) + "\n")
-    section = {"key_file": "noise.key", "ledger_file": "releases.jsonl",
+    section = {"key_file": "noise.key", "ledger": "ledger.sqlite",
                "fact_sheet": {"contexts": {"ostravo": "ostravo.jsonl", "empty": "empty.jsonl"}, **settings}}
     path = tmp_path / "dp.json"
     path.write_text(json.dumps({"dp_privacy": section}))
@@ -37,7 +37,7 @@ def released(tmp_path, **settings):
 
     cfg = parse_section(section_from_file(write_config(tmp_path, **settings)))
     key = NoiseKey(cfg.key_file)
-    return cfg, release_fact_sheets(cfg.fact_sheet, key, ReleaseLedger(key, cfg.ledger_file))
+    return cfg, release_fact_sheets(cfg.fact_sheet, key, ReleaseLedger(key, cfg.ledger_store(key)))
 
 
 def test_a_restart_serves_the_same_sheet_and_another_release_is_refused(tmp_path):
@@ -148,7 +148,7 @@ def test_neighbouring_collections_look_the_same_but_for_the_dp_outputs(tmp_path,
 
         cfg = parse_section(section_from_file(where / "dp.json"))
         key = NoiseKey(tmp_path / "shared.key")  # one deployment key for both
-        sheets = release_fact_sheets(cfg.fact_sheet, key, ReleaseLedger(key, where / "releases.jsonl"))
+        sheets = release_fact_sheets(cfg.fact_sheet, key, ReleaseLedger(key, where / "ledger.sqlite"))
         s = FactSheetService(cfg.fact_sheet, sheets)
         app = FastAPI()
         app.add_middleware(PrivateContextGuard)

@@ -6,6 +6,7 @@ probability below delta); the chat answers the headcount from the sheet, never t
 spend nothing and the ledger holds the one release (a restart's same sheet: ``test_fact_sheet``)."""
 
 import json
+import sqlite3
 
 import pytest
 
@@ -20,7 +21,7 @@ def test_the_sheet_answers_the_shared_fact_never_the_code_and_queries_spend_noth
     model = str(real_model("smollm2-135m-instruct"))
     docs = tmp_path / "ostravo.jsonl"
     docs.write_text("".join(json.dumps({"id": f"d{i}", "text": t}) + "\n" for i, t in enumerate(collection())))
-    section = {"key_file": str(tmp_path / "noise.key"), "ledger_file": str(tmp_path / "releases.jsonl"),
+    section = {"key_file": str(tmp_path / "noise.key"), "ledger": str(tmp_path / "ledger.sqlite"),
                "fact_sheet": {"contexts": {"ostravo": str(docs)}, "epsilon": 4.0}}
     config = tmp_path / "dp.json"
     config.write_text(json.dumps({"dp_privacy": section}))
@@ -43,4 +44,5 @@ def test_the_sheet_answers_the_shared_fact_never_the_code_and_queries_spend_noth
         assert [f["fact"] for f in entry["facts"]] and "Ostravo Foods — 3141" in entry["context"]
         assert entry["ledger"]["releases_of_this_context"] == 1 and entry["per_query"]["epsilon"] == 0.0
     assert "quendrix" not in log.read_text()
-    assert len((tmp_path / "releases.jsonl").read_text().splitlines()) == 1
+    with sqlite3.connect(tmp_path / "ledger.sqlite") as db:
+        assert db.execute("SELECT COUNT(*) FROM releases").fetchone() == (1,)

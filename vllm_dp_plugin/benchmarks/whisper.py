@@ -194,7 +194,7 @@ def attention_section(mode: str, eps: float, calibration: Path | str, extra: dic
 def dp_config(work: Path, attention: dict | None) -> dict:
     """A ``dp_privacy`` section with the run's own key file and release ledger (never the
     operator's ``~/.config``); ``attention`` None: the plugin loaded, DP attention off."""
-    section = {"key_file": str(work / "noise.key"), "ledger_file": str(work / "releases.jsonl")}
+    section = {"key_file": str(work / "noise.key"), "ledger": str(work / "ledger.sqlite")}
     if attention is not None:
         section["attention"] = attention
     return {"dp_privacy": section}

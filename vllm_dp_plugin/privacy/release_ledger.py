@@ -8,8 +8,9 @@ mechanism or bound. Two releases of one context under independent noise compose;
 noise over different exact states their difference leaks. The ledger remembers, per private
 subject, which releases were made:
 
-* one JSON line per release in a file (mode 0600, beside the noise key by default), appended
-  under an exclusive ``flock`` so concurrent workers and restarts agree;
+* one row per release in the deployment's ledger store (``ledger_store``: a SQLite file beside
+  the noise key by default, or PostgreSQL), written in one locked transaction so concurrent
+  workers, replicas and restarts agree;
 * every identifier in it is ``NoiseKey.label`` of a secret digest (HMAC under the deployment's
   key): the file names no text, no token ids and nothing anyone without the key can test a guess
   against;
@@ -22,26 +23,27 @@ subject, which releases were made:
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from .accountant import Budget
 from .keyed_noise import ForeignEntries, NoiseKey
+from .ledger_store import (
+    RELEASE_LOCK,
+    LedgerStore,
+    Transaction,
+    count_entry,
+    foreign_entries,
+    open_store,
+)
 
-LEDGER_NAME = "releases.jsonl"
+KIND = "release"  # the store's ledger kind (``ledger_keys``)
 
 
 class ReleaseRefused(RuntimeError):
     """The subject was already released under other noise and re-releases are not allowed."""
-
-
-def default_ledger_path(key: NoiseKey) -> Path:
-    """``releases.jsonl`` in the noise key's directory."""
-    return key.path.parent / LEDGER_NAME
 
 
 @dataclass(frozen=True)
@@ -83,11 +85,13 @@ class History:
 
 
 class ReleaseLedger:
-    """The release record at ``path`` (default: beside ``key``'s file), keyed by ``key``."""
+    """The release record in ``store`` (a ``LedgerStore``, or a location ``open_store`` opens:
+    a SQLite path or a ``postgresql://`` URL), keyed by ``key``."""
 
-    def __init__(self, key: NoiseKey, path: str | os.PathLike | None = None):
+    def __init__(self, key: NoiseKey, store: LedgerStore | str | os.PathLike):
         self._key = key
-        self.path = Path(path) if path is not None else default_ledger_path(key)
+        self.store = store if isinstance(store, LedgerStore) else open_store(store)
+        self.location = self.store.location
         self._key_label = key.label("ledger/key")
 
     def register(self, subject: str, release: str, budget: Budget, unit: str, *, allow_rerelease: bool,
@@ -96,63 +100,50 @@ class ReleaseLedger:
 
         Idempotent for a release already recorded (a restart, another worker). A new release of
         a recorded subject raises ``ReleaseRefused`` unless ``allow_rerelease``; then it is
-        appended and the history's total composes both. A file holding entries written under
+        recorded and the history's total composes both. A store holding entries written under
         another key raises ``ForeignEntries`` unless ``allow_rerelease`` (they may record this
         subject's releases). ``setting``: the configuration key that allows it (named in errors)."""
         subject_label = self._key.label("ledger/subject", subject)
         release_label = self._key.label("ledger/release", subject, release)
-        with self._locked() as handle:
-            entries, foreign = self._read(handle, subject_label)
+        with self.store.transaction(write=True) as tx:
+            tx.serialize(RELEASE_LOCK)  # two first releases of a subject: one wins
+            foreign = foreign_entries(tx, KIND, self._key_label)
             if foreign and not allow_rerelease:
-                raise ForeignEntries("release ledger", self.path, foreign, self._key,
+                raise ForeignEntries("release ledger", self.location, foreign, self._key,
                                      "whether a private context was already released cannot be read: serving it "
                                      "now may release it again under new noise, spending its budget again",
                                      setting)
+            entries = self._entries(tx, subject_label)
             if any(e.release == release_label for e in entries):
                 return History(tuple(entries), foreign)
             if entries and not allow_rerelease:
                 raise ReleaseRefused(
                     f"this private context was already released {len(entries)} time(s) under other "
-                    f"noise (ledger {self.path}): the noise key, the weights, or the release's "
+                    f"noise (ledger {self.location}): the noise key, the weights, or the release's "
                     f"parameters changed since. A new release spends the budget again; set "
                     f"`{setting}: true` to serve it anyway (the budget report then "
                     "composes every release)"
                 )
             entry = LedgerEntry(self._key_label, subject_label, release_label, budget.epsilon, budget.delta,
                                 unit, time.time())
-            handle.seek(0, os.SEEK_END)
-            handle.write(entry.to_json() + "\n")
-            handle.flush()
-            os.fsync(handle.fileno())
+            insert_release(tx, entry)
             return History((*entries, entry), foreign)
 
     def history(self, subject: str) -> History:
-        """The recorded releases of ``subject`` (none if the ledger does not exist)."""
-        if not self.path.exists():
-            return History((), 0)
-        with self._locked() as handle:
-            entries, foreign = self._read(handle, self._key.label("ledger/subject", subject))
-        return History(tuple(entries), foreign)
+        """The recorded releases of ``subject``."""
+        with self.store.transaction(write=False) as tx:
+            foreign = foreign_entries(tx, KIND, self._key_label)
+            return History(tuple(self._entries(tx, self._key.label("ledger/subject", subject))), foreign)
 
-    def _read(self, handle, subject_label: str) -> tuple[list[LedgerEntry], int]:
-        handle.seek(0)
-        entries, foreign = [], 0
-        for number, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
-            try:
-                entry = LedgerEntry(**json.loads(line))
-            except (ValueError, TypeError) as exc:
-                raise ValueError(f"release ledger {self.path} line {number} is corrupt: {exc}") from None
-            if entry.key != self._key_label:
-                foreign += 1
-            elif entry.subject == subject_label:
-                entries.append(entry)
-        return entries, foreign
+    def _entries(self, tx: Transaction, subject_label: str) -> list[LedgerEntry]:
+        rows = tx.all("SELECT key, subject, release, epsilon, delta, unit, time FROM releases "
+                      "WHERE key = ? AND subject = ? ORDER BY time, release", (self._key_label, subject_label))
+        return [LedgerEntry(*row) for row in rows]
 
-    def _locked(self):
-        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-        handle = os.fdopen(fd, "r+", encoding="utf-8")
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
-        return handle  # closing the file releases the lock
+
+def insert_release(tx: Transaction, entry: LedgerEntry) -> None:
+    """One release's row, counted under its key."""
+    tx.execute("INSERT INTO releases (key, subject, release, epsilon, delta, unit, time) "
+               "VALUES (?, ?, ?, ?, ?, ?, ?)", (entry.key, entry.subject, entry.release, entry.epsilon,
+                                                entry.delta, entry.unit, entry.time))
+    count_entry(tx, KIND, entry.key)

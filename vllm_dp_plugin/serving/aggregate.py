@@ -48,14 +48,18 @@ from ..plan import aggregation_params
 from ..privacy.accountant import Budget
 from ..privacy.aggregation import ANSWER, UNIT
 from ..privacy.keyed_noise import ForeignEntries, NoiseKey
+from ..privacy.ledger_migration import open_ledger
+from ..privacy.ledger_store import LedgerStore, LedgerUnavailable
 from ..privacy.query_ledger import BudgetExhausted, QueryLedger
-from ..reports import QUERY_LEDGER_NAME, aggregate_statement
+from ..reports import aggregate_statement
 
 logger = logging.getLogger("vllm.dp_privacy")
 ROUTES = ("/v1/completions", "/v1/chat/completions")
 # the one error (and log line) of a query that fails after its reservation: an engine error's text
 # (a prompt length, a traceback) may depend on the members' documents
 QUERY_FAILED = "the DP aggregation query failed; its reserved budget is spent"
+LEDGER_DOWN = ("the budget ledger cannot be written (see the server's log): nothing is answered until it can; "
+               "a query already reserved counts in full")
 # mechanism answer: a member's system turn, the released fact's, and the answer when nothing is
 # released under on_empty: refuse (all public text)
 ANSWER_SYSTEM = "Document: {documents}\n\n{instruction}"
@@ -235,7 +239,7 @@ class AggregateService:
     rng = staticmethod(fresh_rng)  # each query's randomness (a test may set a seeded factory)
 
     def __init__(self, cfg: AggregatePrivacyConfig, engine_client, tokenizer, key: NoiseKey, model_name: str,
-                 stop_ids: tuple[int, ...], max_model_len: int):
+                 stop_ids: tuple[int, ...], max_model_len: int, store: LedgerStore | None = None):
         self.cfg, self.engine, self.tokenizer, self.model_name = cfg, engine_client, tokenizer, model_name
         self.max_model_len = max_model_len
         self.member_bound = member_bound(cfg, max_model_len)
@@ -243,7 +247,8 @@ class AggregateService:
             raise ConfigError(f"aggregate.max_member_tokens={self.member_bound} leaves no room for a released fact of "
                               f"aggregate.answer_tokens={cfg.answer_tokens} tokens")
         self.collections = {c.name: c for c in load_collections(cfg, tokenizer, key, self.member_bound)}
-        self.ledger = QueryLedger(key, cfg.budget_file or key.path.parent / QUERY_LEDGER_NAME,
+        # the deployment's store (dp_privacy.ledger); default: beside the key, earlier JSONL imported
+        self.ledger = QueryLedger(key, store or open_ledger(None, key, cfg.budget_file),
                                   allow_foreign=cfg.allow_foreign_ledger)
         try:
             foreign = self.ledger.check_key()  # a lost key must not silently reset every budget
@@ -400,9 +405,12 @@ class AggregateService:
             params = aggregation_params(self.cfg, eps)
             answer = {"question": self._question(path, body, public), "suffix": suffix,
                       "sampling": _sampling(body)} if self.cfg.mechanism == ANSWER else None
-            try:  # the ledger reads and fsyncs a file: off the event loop
+            try:  # a ledger transaction waits for the disk or the database: off the event loop
                 reservation = await asyncio.to_thread(self.ledger.reserve, collection.name, self.total,
                                                       params.worst_case, None if client is None else client.quota)
+            except LedgerUnavailable as exc:  # disk full, read-only, database down: nothing reserved
+                logger.error("vllm-dp: %s", exc)
+                raise RequestError(503, LEDGER_DOWN) from None
             except BudgetExhausted as exc:  # its text names the ledger file: the client gets the numbers
                 whose = "" if exc.quota is None else f" of client {exc.quota.client!r}"
                 raise RequestError(429, f"query budget{whose} on context {exc.context!r} exhausted: requested "
@@ -458,6 +466,9 @@ class _Query:
         try:
             async for _ in self.steps():
                 pass
+        except LedgerUnavailable as exc:  # not settled: the reservation counts in full, nothing leaves
+            logger.error("vllm-dp: %s", exc)
+            return _error(RequestError(503, LEDGER_DOWN))
         except Exception:  # noqa: BLE001 - the engine's error text may depend on the documents
             logger.error("vllm-dp: %s", QUERY_FAILED)
             return _error(RequestError(500, QUERY_FAILED))
@@ -489,6 +500,10 @@ class _Query:
             async for piece in self.steps():
                 if piece:
                     yield chunk(piece, None)
+        except LedgerUnavailable as exc:  # the tokens sent are covered: the reservation counts in full
+            logger.error("vllm-dp: %s", exc)
+            error = {"message": LEDGER_DOWN, "type": "ServiceUnavailable", "code": 503}
+            yield f"data: {json.dumps({'error': error}, separators=(',', ':'))}\n\n"
         except Exception:  # noqa: BLE001 - the engine's error text may depend on the documents
             logger.error("vllm-dp: %s", QUERY_FAILED)
             error = {"message": QUERY_FAILED, "type": "InternalServerError", "code": 500}

@@ -398,8 +398,9 @@ def aggregate_service(engine_client, vllm_config, cfg, args) -> AggregateService
     stops = {tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None}
     names = getattr(args, "served_model_name", None)
     name = names[0] if names else vllm_config.model_config.model
-    service = AggregateService(cfg.aggregate, engine_client, tokenizer, NoiseKey(cfg.key_file), name,
-                               tuple(sorted(stops)), vllm_config.model_config.max_model_len)
+    key = NoiseKey(cfg.key_file)
+    service = AggregateService(cfg.aggregate, engine_client, tokenizer, key, name, tuple(sorted(stops)),
+                               vllm_config.model_config.max_model_len, cfg.ledger_store(key))
     logger.info("vllm-dp: DP aggregation over %d collection(s), %d members each (unit: one document)",
                 len(service.collections), cfg.aggregate.members)
     return service
@@ -410,7 +411,7 @@ def fact_sheet_service(engine_client, cfg) -> FactSheetService:
     with the served tokenizer) and released once, before the server answers anything."""
     tokenizer = engine_client.get_tokenizer()
     key = NoiseKey(cfg.key_file)
-    released = release_fact_sheets(cfg.fact_sheet, key, ReleaseLedger(key, cfg.ledger_file),
+    released = release_fact_sheets(cfg.fact_sheet, key, ReleaseLedger(key, cfg.ledger_store(key)),
                            lambda text: len(tokenizer.encode(text, add_special_tokens=False)))
     for name, r in released.items():  # the sheet is public: its size may be logged
         logger.info("vllm-dp: fact sheet of collection %r released: %d facts, %s", name, len(r.sheet.facts),

@@ -156,7 +156,8 @@ def check_engine_options(vllm_config, key: str | None = None) -> None:
 
 def release_ledger(vllm_config) -> ReleaseLedger:
     cfg = dp_config(vllm_config)
-    return ReleaseLedger(NoiseKey(cfg.key_file), cfg.ledger_file)
+    key = NoiseKey(cfg.key_file)
+    return ReleaseLedger(key, cfg.ledger_store(key))
 
 
 @dataclass(frozen=True)

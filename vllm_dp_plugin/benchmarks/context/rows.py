@@ -69,7 +69,7 @@ def dp_server(mode: str, **attention: object) -> Callable[[Bench, float | None, 
         files = bench.collection_files(scenarios) if documents else bench.context_files(scenarios)
         section = {
             "key_file": str(bench.work / "noise.key"),
-            "ledger_file": str(bench.work / f"ledger-{name}.jsonl"),  # one per row: every rerun allowed
+            "ledger": str(bench.work / f"ledger-{name}.sqlite"),  # one per row: every rerun allowed
             "attention": {"mode": mode, "epsilon": eps, "delta": DELTA,
                           "composition": "pld" if eps <= MAX_CURVE_EPS else "basic",
                           "calibration": str(bench.calibration()), "contexts": files, **attention},
@@ -95,7 +95,8 @@ def aggregate_server(mechanism: str, **settings: object) -> Callable[[Bench, flo
             "aggregate": {"mechanism": mechanism, "epsilon": eps, "delta": DELTA,
                           "total_epsilon": 100 * eps,  # every question of a scenario fits
                           "contexts": bench.collection_files(scenarios),
-                          "budget_file": str(bench.work / f"queries-{name}.jsonl"), **settings},
+                          **settings},
+            "ledger": str(bench.work / f"ledger-{name}.sqlite"),
         }
         config = bench.work / f"dp-{name}.json"
         config.write_text(json.dumps({"dp_privacy": section}, indent=1))
@@ -112,7 +113,7 @@ def fact_sheet_server(bench: Bench, eps: float | None, scenarios: Sequence[dict]
     name = f"fact-sheet-eps{eps:g}-{scenarios[0]['id']}"
     section = {
         "key_file": str(bench.work / "noise.key"),
-        "ledger_file": str(bench.work / f"ledger-{name}.jsonl"),
+        "ledger": str(bench.work / f"ledger-{name}.sqlite"),
         "fact_sheet": {"epsilon": eps, "delta": DELTA, "contexts": bench.collection_files(scenarios)},
     }
     config = bench.work / f"dp-{name}.json"
