@@ -8,7 +8,7 @@ import torch
 from vllm_dp_plugin.attention.calibration_file import Calibration
 from vllm_dp_plugin.attention.mapping import HeadMapping
 from vllm_dp_plugin.config import ConfigError, DPPrivacyConfig
-from vllm_dp_plugin.plan import ContextPlan
+from vllm_dp_plugin.plan import ContextPlan, ModelShape, context_reports
 
 BOUNDS = {"key_bound": 0.5, "query_bound": 0.5, "value_bound": 1.0, "key_norm": 1.5, "query_norm": 1.5}
 
@@ -252,6 +252,15 @@ def test_cross_attention_is_never_gated():
 def test_a_release_that_cannot_fit_its_memory_limit_is_refused_before_serving():
     plan = _plan(bounds=BOUNDS, mode="tree", degree=2)
     plan.check_memory()  # 50 rows fit
-    whisper = ContextPlan(plan.cfg, "cross_attention", 4, 6, 6, 64, 64**-0.5, 1500)  # tiny.en's encoder output
-    with pytest.raises(ConfigError, match=r"attention.mode: tree needs ~19.* GiB for layer 0's release of 1500 rows"):
-        whisper.check_memory()
+    assert plan.memory_refusal() is None
+    # Whisper: ``context_reports`` (every worker's start-up statement, ``vllm-dp account``) refuses
+    # an encoder output (tiny.en's shape: 1500 rows) whose tree table exceeds the cap, naming the
+    # keys to change and the sizes (degree 1 fits: tests/benchmarks/test_whisper_bench.py)
+    tiny_en = ModelShape(4, 4, 6, 6, 64, 64**-0.5, True, 1500)
+    tree = {"epsilon": 8.0, "delta": 1e-6, "mode": "tree", "bounds": BOUNDS}
+    with pytest.raises(ConfigError) as refused:
+        context_reports(DPPrivacyConfig.from_dict({"attention": {**tree, "degree": 2}}).attention, tiny_en, {})
+    assert str(refused.value) == (
+        "attention.mode: tree needs ~19.15 GiB for layer 0's release of 1500 rows (Taylor degree 2, 2145 features) "
+        "> memory_limit_bytes=16.00 GiB per layer release (fixed); use attention.mode: state or a lower "
+        "attention.degree")

@@ -338,19 +338,35 @@ class ContextPlan:
         released = [(m, count) for m, is_open in zip(self.mechanisms, self.open_layers, strict=True) if is_open]
         return composed_spend(released, self.params.composition) if released else Budget(0.0, 0.0)
 
-    def check_memory(self) -> None:
-        """Refuse, before any request, a release that would not fit ``memory_limit_bytes`` (the
-        tree's path-sum table; otherwise the first request's release fails inside the engine)."""
+    def memory_refusal(self) -> str | None:
+        """Why a release of this context would not fit ``memory_limit_bytes`` (the tree's fp32
+        path-sum table, per layer release; a fixed cap of ``DPAttentionParams``, not a
+        configuration key; the first open layer over it is named), or None. Public: the plan
+        alone (configuration, model shape, context length). The one check before serving, for
+        decoder contexts and encoder outputs (Whisper) alike; the release itself makes it again,
+        inside the engine, where it would kill the first request."""
         every = HeadLayout(self.total_kv_heads, self.total_query_heads, 0, self.total_kv_heads)
+        cap = self.params.memory_limit_bytes
         for i in (i for i, is_open in enumerate(self.open_layers) if is_open):
             dp = self._layer(i, every)._dp
             need = dp.mode.planned_nbytes(dp, self.context_len)
-            if need > dp.params.memory_limit_bytes:
-                raise ConfigError(
+            if need > cap:
+                params, features = dp.params, dp.features.dim
+                kernel = (f"Taylor degree {params.degree}, {features} features" if params.features == "taylor"
+                          else f"{features} {params.features} features")
+                return (
                     f"attention.mode: {self.cfg.mode} needs ~{need / 2**30:.2f} GiB for layer {i}'s release of "
-                    f"{self.context_len} rows (> memory_limit_bytes={dp.params.memory_limit_bytes / 2**30:.2f} GiB); "
-                    "use mode state or a lower degree"
+                    f"{self.context_len} rows ({kernel}) > memory_limit_bytes={cap / 2**30:.2f} GiB per layer "
+                    "release (fixed); use attention.mode: state or a lower attention.degree"
                 )
+        return None
+
+    def check_memory(self) -> None:
+        """Refuse, before any request, a release that would not fit ``memory_limit_bytes``
+        (``memory_refusal``; otherwise the first request's release fails inside the engine)."""
+        refusal = self.memory_refusal()
+        if refusal is not None:
+            raise ConfigError(refusal)
 
     def document_spent(self) -> Budget:
         """Unit document: what one release of the context spends per document, every open

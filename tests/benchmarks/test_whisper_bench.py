@@ -166,7 +166,7 @@ def test_tree_refusal_is_planned_from_public_inputs(tmp_path):
     bounds = {"key_bound": 3.0, "query_bound": 10.0, "value_bound": 2.0, "key_norm": 10.0, "query_norm": 20.0}
     tree = {"mode": "tree", "epsilon": 8.0, "delta": 1e-6, "bounds": bounds}
     reason = bench.tree_refusal(str(tmp_path), tree)
-    assert reason.startswith("tree mode needs ~19.") and "n=1500, Taylor degree 2 (r=2145 features)" in reason
+    assert reason.startswith("attention.mode: tree needs ~19.") and "1500 rows (Taylor degree 2, 2145 features" in reason
     assert bench.tree_refusal(str(tmp_path), {**tree, "degree": 1}) is None  # ~0.6 GiB a layer
 
 

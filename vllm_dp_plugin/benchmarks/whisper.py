@@ -202,28 +202,15 @@ def dp_config(work: Path, attention: dict | None) -> dict:
 
 def tree_refusal(model: str, attention: dict) -> str | None:
     """Why the DPTree release of one request's encoder output cannot be built (its fp32 path-sum
-    table above ``memory_limit_bytes``, the tree's own check, made at the first request), or
-    None. Public: the plan of the configuration and the model's shape only."""
-    from vllm_dp_plugin.attention.core import DPCrossAttention
+    table above ``memory_limit_bytes``: ``ContextPlan.memory_refusal``, with which the server
+    refuses the same configuration at start-up), or None; checked here so that a refused row
+    costs no server start. Public: the plan of the configuration and the model's shape only."""
     from vllm_dp_plugin.config import AttentionPrivacyConfig
-    from vllm_dp_plugin.plan import ContextPlan, ModelShape, layer_mapping
+    from vllm_dp_plugin.plan import ContextPlan, ModelShape
 
-    cfg = AttentionPrivacyConfig(**attention)
     shape = ModelShape.from_pretrained(model)
-    rows = shape.encoder_positions
-    plan = ContextPlan.of(cfg, shape, "cross_attention", rows)
-    need = []
-    for i in range(plan.layers):
-        params = plan.layer_params(i)
-        dp = DPCrossAttention(params, layer_mapping(cfg, "cross_attention", i, plan.beta), shape.total_kv_heads,
-                              shape.head_dim, shape.head_dim, shape.total_query_heads, plan.budget_heads)
-        need.append((dp.tree_table_bytes(rows), params.degree, dp.features.dim, params.memory_limit_bytes))
-    worst = max(need)
-    if worst[0] <= worst[3]:
-        return None
-    return (f"tree mode needs ~{worst[0] / 2**30:.2f} GiB per layer and request for n={rows}, Taylor degree "
-            f"{worst[1]} (r={worst[2]} features) (> memory_limit_bytes={worst[3] / 2**30:.2f} GiB; "
-            f"{plan.layers} layers: {sum(n for n, *_ in need) / 2**30:.1f} GiB per request)")
+    plan = ContextPlan.of(AttentionPrivacyConfig(**attention), shape, "cross_attention", shape.encoder_positions)
+    return plan.memory_refusal()
 
 
 # =========================================================================== scoring
