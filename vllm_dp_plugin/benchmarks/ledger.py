@@ -81,10 +81,9 @@ def fill_jsonl(path: Path, key: NoiseKey, queries: int) -> None:
               "total_epsilon": TOTAL.epsilon, "total_delta": TOTAL.delta, "client": ""}
     with open(path, "w") as out:
         for i in range(queries):
-            for kind, amount, when in (("reserve", AMOUNT, 1.0), ("settle", SETTLED, 2.0)):
-                out.write(json.dumps({**common, "kind": kind, "id": f"{i:032x}", "epsilon": amount.epsilon,
+            out.writelines(json.dumps({**common, "kind": kind, "id": f"{i:032x}", "epsilon": amount.epsilon,
                                       "delta": amount.delta, "time": when}, sort_keys=True,
-                                     separators=(",", ":")) + "\n")
+                                     separators=(",", ":")) + "\n" for kind, amount, when in (("reserve", AMOUNT, 1.0), ("settle", SETTLED, 2.0)))
 
 
 def jsonl_ledger_class(rev: str):
