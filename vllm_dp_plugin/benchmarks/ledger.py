@@ -12,6 +12,11 @@ figures are this disk's fsync plus the work: the result file states the load ave
 fsync's median. ``sqlite-normal`` (``synchronous=NORMAL``, no fsync per commit: not what serving
 uses) isolates the ledger's own work.
 
+``--replicas N --model M``: also N ``vllm-dp serve`` processes (DP aggregation over one
+collection) on one PostgreSQL ledger, queried at once from ``--clients`` threads until the
+collection's total is spent: granted queries, what each server's ``/v1/dp/budget`` says was
+spent, and the sum of the receipts delivered; none may exceed the total.
+
 Writes ``ledger-<device>-<date>.md`` and ``.json`` into ``--out``. ``--quick``: 2,000 entries.
 """
 
@@ -158,6 +163,58 @@ def fsync_ms(directory: Path, repeats: int = 50) -> float:
     return statistics.median(times)
 
 
+REPLICA_DOCS = ("The Harlow depot opens at 6 am.", "Harlow's depot opens at six in the morning.",
+                "Depot hours at Harlow: from 6 am.", "The depot in Harlow closes at 10 pm.")
+
+
+def replicas(model: str, count: int, clients: int, queries: int, work: Path, url: str, log) -> dict:
+    """``count`` servers on one PostgreSQL ledger; ``queries`` queries at once from ``clients``
+    threads, round-robin over the servers, each asking eps 1 of a collection whose total pays for
+    ``queries // 2``: how many were granted and what the ledger says was spent."""
+    import concurrent.futures
+    import urllib.error
+    import urllib.request
+
+    from vllm_dp_plugin.benchmarks.lib.vllm import ENGINE_FLAGS, RunningServer, with_env
+
+    docs = work / "replica-docs.jsonl"
+    docs.write_text("".join(json.dumps({"id": f"d{i}", "text": t}) + "\n" for i, t in enumerate(REPLICA_DOCS)))
+    total = queries // 2
+    section = {"key_file": str(work / "noise.key"), "ledger": url,
+               "aggregate": {"contexts": {"harlow": str(docs)}, "members": 2, "epsilon": 1.0, "min_epsilon": 1.0,
+                             "total_epsilon": float(total), "max_tokens": 2}}
+    config = work / "replicas.json"
+    config.write_text(json.dumps({"dp_privacy": section}))
+    cmd = [str(Path(sys.executable).with_name("vllm-dp")), "serve", model, "--dp-config", str(config),
+           *ENGINE_FLAGS, "--max-model-len", "1024", "--kv-cache-memory-bytes", str(256 << 20)]
+
+    def ask(base: str) -> tuple[int, dict | None]:
+        body = json.dumps({"model": model, "messages": [{"role": "user", "content": "When does the depot open?"}],
+                           "max_tokens": 2}).encode()
+        request = urllib.request.Request(base + "/v1/chat/completions", body, {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=600) as response:
+                return response.status, json.loads(response.read()).get("dp_receipt")
+        except urllib.error.HTTPError as exc:
+            return exc.code, None
+
+    with contextlib.ExitStack() as stack:
+        servers = []
+        for i in range(count):
+            log(f"ledger bench: starting replica {i + 1} of {count}")
+            servers.append(stack.enter_context(RunningServer(cmd, work / f"replica-{i}.log",
+                                                             with_env({"VLLM_PLUGINS": None}))))
+        with concurrent.futures.ThreadPoolExecutor(clients) as pool:
+            answers = list(pool.map(ask, [servers[i % count].base for i in range(queries)]))
+        spent = [s.get("/v1/dp/budget")["contexts"][0]["ledger"]["spent"]["epsilon"] for s in servers]
+    receipts = [r["epsilon"] for status, r in answers if status == 200]
+    return {"replicas": count, "queries": queries, "total_epsilon": float(total),
+            "granted": len(receipts), "refused_429": sum(status == 429 for status, _ in answers),
+            "other_status": sorted({status for status, _ in answers} - {200, 429}),
+            "spent_per_server": spent, "receipts_sum": math.fsum(receipts),
+            "within_total": all(x <= total * (1 + 1e-9) for x in [*spent, math.fsum(receipts)])}
+
+
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add_out_arg(parser)
     add_quick_arg(parser, "2,000 entries, 50 pairs (seconds)")
@@ -167,6 +224,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--backends", type=names, default=BACKENDS, help=f"of {','.join(BACKENDS)} (default all)")
     parser.add_argument("--jsonl-rev", default=JSONL_REV, help=f"git revision of the JSONL ledger (default {JSONL_REV})")
     parser.add_argument("--work", type=Path, help="where the ledgers are written (default a temporary directory)")
+    parser.add_argument("--replicas", type=int, default=0, help="vllm-dp serve processes on one PostgreSQL ledger "
+                        "(default 0: not run; needs --model)")
+    parser.add_argument("--model", help="the model the replicas serve (e.g. .models/smollm2-135m-instruct)")
+    parser.add_argument("--clients", type=int, default=16, help="concurrent clients of the replicas (default 16)")
+    parser.add_argument("--queries", type=int, default=40, help="queries sent to the replicas (default 40)")
     return parser
 
 
@@ -186,9 +248,12 @@ def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
     if reason:
         skipped["postgresql"] = reason
     jsonl_cls = jsonl_ledger_class(args.jsonl_rev) if "jsonl" in args.backends else None
-    rows, log = [], logger(True, sys.stderr)
+    if args.replicas and not args.model:
+        raise SystemExit("--replicas needs --model")
+    rows, log, shared = [], logger(True, sys.stderr), None
     with contextlib.ExitStack() as stack:
-        url = None if reason or "postgresql" not in args.backends else stack.enter_context(temporary_postgres())
+        wants_pg = not reason and ("postgresql" in args.backends or args.replicas)
+        url = stack.enter_context(temporary_postgres()) if wants_pg else None
         work = args.work or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="vllm-dp-ledger-",
                                                                                  dir=os.getcwd())))
         for n in entries:
@@ -198,11 +263,16 @@ def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
                 log(f"ledger bench: {backend} at {n} entries")
                 rows.append({"backend": backend, "entries": n, **measure(backend, n, pairs, Path(work), url, jsonl_cls),
                              "fsync_ms": fsync_ms(Path(work)), "loadavg": loadavg()})
-    write(args, argv, rows, skipped)
+        if args.replicas:
+            if url is None:
+                raise SystemExit(f"--replicas needs PostgreSQL: {reason}")
+            shared = replicas(args.model, args.replicas, args.clients, args.queries, Path(work),
+                              f"{url}&options=-csearch_path%3Dpublic", log)
+    write(args, argv, rows, skipped, shared)
     return 0
 
 
-def write(args, argv, rows: list[dict], skipped: dict) -> None:
+def write(args, argv, rows: list[dict], skipped: dict, shared: dict | None) -> None:
     stem = args.out / f"ledger-{device_label('cpu', short=True)}-{today(args.date)}"
     head = ["backend", "entries", "open (s)", "reserve+settle median (ms)", "p99 (ms)", "raw fsync (ms)", "load avg"]
     body = [[r["backend"], r["entries"], fmt(r["open_s"]), fmt(r["pair_ms_median"]), fmt(r["pair_ms_p99"]),
@@ -218,10 +288,17 @@ def write(args, argv, rows: list[dict], skipped: dict) -> None:
         table(head, body), "",
         f"Target: {verdict}.",
         *(f"Skipped {name}: {why}." for name, why in skipped.items()), "",
+        *([] if shared is None else [
+            f"## {shared['replicas']} `vllm-dp serve` processes on one PostgreSQL ledger", "",
+            f"{shared['queries']} queries (eps 1 each) at once against a collection whose total is "
+            f"{shared['total_epsilon']:g}: {shared['granted']} granted, {shared['refused_429']} refused with 429"
+            f"{', other statuses ' + str(shared['other_status']) if shared['other_status'] else ''}; "
+            f"spent per server's /v1/dp/budget {shared['spent_per_server']}, receipts delivered sum to "
+            f"{shared['receipts_sum']:g}: {'within' if shared['within_total'] else 'OVER'} the total.", ""]),
         "Environment: " + json.dumps(environment("cpu", ())), "",
     ])
     write_text(suffixed(stem, ".md"), text)
-    write_json(suffixed(stem, ".json"), {"rows": rows, "skipped": skipped, "target_ms": TARGET_MS,
+    write_json(suffixed(stem, ".json"), {"rows": rows, "skipped": skipped, "target_ms": TARGET_MS, "replicas": shared,
                                          "environment": environment("cpu", ())})
     print(text)
 
