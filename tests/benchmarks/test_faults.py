@@ -143,3 +143,14 @@ def test_config_keeps_every_state_file_in_the_trial_directory(tmp_path):
     assert att["dp_privacy"]["ledger_file"] == str(tmp_path / "releases.jsonl")
     assert att["dp_privacy"]["attention"]["calibration"] == str(tmp_path / "calibration.json")
     assert trials.EXAMPLES.joinpath(att["dp_privacy"]["attention"]["private_context"]).exists()
+
+
+def test_a_failed_start_is_recorded_with_its_cause():
+    tail = ("server exited (1); see serve-3.log:\n  raise ValueError(\nValueError: Available memory on node 0 "
+            "(1.11/23.54 GiB) is less than requested\n  warnings.warn(\n")
+    assert trials.cause(tail).startswith("ValueError: Available memory")
+    assert trials.cause("no error named here\nlast line") == "last line"
+    from vllm_dp_plugin.benchmarks import faults
+
+    assert faults.restart({"restart_s": 312.4, "restart_errors": ["ValueError: x"]}) == "312 (1 failed start first)"
+    assert faults.restart({"restart_s": 312.4, "restart_errors": []}) == "312"

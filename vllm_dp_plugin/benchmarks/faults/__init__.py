@@ -54,6 +54,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--max-tokens", type=int, default=16, help="max_tokens of each query (default 16)")
     parser.add_argument("--kill-window", type=floats, default=(5.0, 40.0),
                         help="seconds after the load starts the kill falls in, uniform (default 5,40)")
+    parser.add_argument("--max-model-len", type=int, default=2048,
+                        help="the servers' --max-model-len (their KV cache holds clients + 2 such sequences)")
+    parser.add_argument("--restart-attempts", type=int, default=3,
+                        help="starts tried after each kill; a failed one is recorded with its cause (default 3)")
     parser.add_argument("--mechanism", default="vote", choices=("vote", "expmech", "answer"),
                         help="aggregate.mechanism of the aggregation setup (default vote)")
     parser.add_argument("--total-epsilon", type=float, default=1e5,
@@ -110,7 +114,8 @@ def setup_trials(setup: Setup, args: argparse.Namespace, seed: int, log) -> Tria
     work.mkdir(parents=True)
     model = setup.model or str(demo_model(work / "model"))
     config = write_config(setup, work, args.mechanism, args.total_epsilon, args.max_tokens)
-    return Trials(setup, model, config, work, args.clients, args.max_tokens, *args.kill_window, seed, log)
+    return Trials(setup, model, config, work, args.clients, args.max_tokens, *args.kill_window, seed, log,
+                  args.max_model_len, args.restart_attempts)
 
 
 def demo_model(path: Path) -> Path:
@@ -121,7 +126,8 @@ def demo_model(path: Path) -> Path:
 
 def settings(args: argparse.Namespace) -> dict:
     return {k: getattr(args, k) for k in ("setups", "targets", "trials", "clients", "max_tokens", "kill_window",
-                                          "mechanism", "total_epsilon", "seed", "parallel")}
+                                          "max_model_len", "restart_attempts", "mechanism", "total_epsilon", "seed",
+                                          "parallel")}
 
 
 def summary(rows: Sequence[dict]) -> list[list]:
@@ -145,10 +151,16 @@ def planned(result: dict) -> str:
     return f"Trials run per setup (planned {plan} each: {cfg['trials']} per kill target): " + ", ".join(runs) + "."
 
 
+def restart(row: dict) -> str:
+    """The restart's seconds, and the failed starts before it (their causes are in the JSON)."""
+    failed = len(row.get("restart_errors", []))
+    return fmt(row["restart_s"]) + (f" ({failed} failed start{'s' * (failed > 1)} first)" if failed else "")
+
+
 def write(stem: Path, result: dict) -> None:
     rows = result["rows"]
     per_trial = [[r["setup"], r["trial"], r["target"], r["kill_at_s"], r["in_flight"], r[ANSWERED], r[RESERVED],
-                  r[NO_RESPONSE], r["restart_s"], "all" if r["passed"] else
+                  r[NO_RESPONSE], restart(r), "all" if r["passed"] else
                   "FAILED: " + ", ".join(k for k, v in r["checks"].items() if not v)] for r in rows]
     text = "\n\n".join([
         "# Fault injection: kill -9 under load, restart, check the ledger and the release",

@@ -78,10 +78,12 @@ class Trials:
     kill_max: float
     seed: int
     log: object
+    max_model_len: int = 2048
+    restart_attempts: int = 3
 
     def __post_init__(self) -> None:
         self.cmd = [*VLLM_DP, "serve", self.model, "--dp-config", str(self.config),
-                    *engine_flags(self.model, self.clients + 2)]
+                    *engine_flags(self.model, self.clients + 2, max_model_len=self.max_model_len)]
         self.starts = 0
         self.rng = random.Random(self.seed)
 
@@ -128,10 +130,15 @@ class Trials:
         row = {"setup": self.setup.name, "trial": index, "target": target, "pid": victim,
                "kill_at_s": traffic.killed_at, "in_flight": traffic.in_flight,
                "api_exit_s": api_exit, "loadavg": loadavg(), **traffic.counts(self.setup.aggregate)}
-        try:
-            server, row["restart_s"] = self.start()
-        except RuntimeError as exc:
-            row.update(restart_s=None, checks={"restarted": False}, passed=False, error=str(exc)[-2000:])
+        row["restart_errors"] = []
+        for _ in range(self.restart_attempts):
+            try:
+                server, row["restart_s"] = self.start()
+                break
+            except RuntimeError as exc:  # the log's tail: its last error line says why
+                row["restart_errors"].append(cause(str(exc)))
+        else:
+            row.update(restart_s=None, checks={"restarted": False}, passed=False)
             return row, None
         row["checks"] = {"restarted": True, **asyncio.run(self.after(server, before, traffic, reference))}
         row["passed"] = all(row["checks"].values())
@@ -171,6 +178,13 @@ class Trials:
                                   traffic.record.outcomes, Budget(worst["epsilon"], worst["delta"]), least)
         status, body = await load.probe(server.base, self.model, self.max_tokens)
         return {**found, "probe_answered_or_429": checks.probe_ok(status, body)}
+
+
+def cause(error: str) -> str:
+    """The last line of a failed start's log tail that names an error (its last line if none)."""
+    lines = [line.strip() for line in error.splitlines() if line.strip()]
+    named = [line for line in lines if "Error:" in line]
+    return (named or lines or [""])[-1][:300]
 
 
 @dataclass
