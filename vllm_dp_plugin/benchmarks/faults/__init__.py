@@ -158,8 +158,8 @@ def summary(rows: Sequence[dict]) -> list[list]:
 
 
 def planned(result: dict, index: int) -> str:
-    """Run ``index``: its command, settings and load, and its trials run against those planned
-    per setup (a run stopped early says so)."""
+    """Run ``index``: its command, settings and load, its trials run against those planned per
+    setup (a run stopped early says so), and its ``note`` if it has one."""
     run = result["runs"][index]
     cfg = run["settings"]
     done = [f"{name} {sum((r['setup'], r['run']) == (name, index) for r in result['rows'])}" for name in cfg["setups"]]
@@ -168,7 +168,7 @@ def planned(result: dict, index: int) -> str:
         f"Load average at start {run['loadavg_start']}, at end {run.get('loadavg_end', 'n/a (stopped early)')}. "
         "Settings: " + ", ".join(f"{k}={v}" for k, v in cfg.items()) + ".",
         f"Trials run per setup (planned {cfg['trials'] * len(cfg['targets'])} each, {cfg['trials']} per kill "
-        "target): " + ", ".join(done) + "."])
+        "target): " + ", ".join(done) + ".", *([run["note"]] if run.get("note") else [])])
 
 
 def restart(row: dict) -> str:
