@@ -22,6 +22,7 @@
     vllm-dp bench attention-ladder [options]    offline noise-free ladder: full, block, uniform, clustered, Taylor
     vllm-dp bench aggregate-batch [options]     answer-level aggregation's member batch vs one plain request
     vllm-dp bench ledger [options]              budget ledger: reserve + settle at 1M entries, SQLite / PostgreSQL / JSONL
+    vllm-dp bench faults [options]              kill -9 under load, restart: ledger and release kept
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ BENCH_SUITES = {  # `vllm-dp bench SUITE` -> (module in vllm_dp_plugin.benchmark
     "attention-ladder": ("attention_ladder", "can a bounded kernel carry a real model's private context? the noise-free ladder, offline"),
     "aggregate-batch": ("aggregate_batch", "answer-level aggregation: k member prompts batched vs one plain request (transformers)"),
     "ledger": ("ledger", "budget ledger: reserve + settle at up to 1M entries, SQLite vs PostgreSQL vs the JSONL file"),
+    "faults": ("faults", "kill -9 of the API server or the engine core under load, restart: ledger and release kept"),
 }
 
 

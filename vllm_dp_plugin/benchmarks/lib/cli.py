@@ -32,6 +32,7 @@ EXAMPLES = {
     "attention-ladder": "vllm-dp bench attention-ladder --limit 1 --sizes '' --modes full,block,clustered64 --out /tmp/bench-ladder",
     "aggregate-batch": "vllm-dp bench aggregate-batch --quick --out /tmp/bench-aggregate-batch",
     "ledger": "vllm-dp bench ledger --quick --out /tmp/bench-ledger",
+    "faults": "vllm-dp bench faults --setups attention-demo --trials 1 --out /tmp/bench-faults",
 }
 
 

@@ -110,13 +110,20 @@ class RunningServer:
         self.stop()
 
     def stop(self) -> None:
+        """SIGTERM to the group, then SIGKILL to whatever is left of it (after ``stop_timeout``
+        seconds, or at once when the server had exited already: a server killed first leaves
+        its engine core running)."""
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
             try:
                 self.proc.wait(timeout=self.stop_timeout)
             except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:  # the group is gone
+            pass
+        self.proc.wait()
 
     def get(self, path: str) -> dict:
         with urllib.request.urlopen(self.base + path, timeout=60) as response:
