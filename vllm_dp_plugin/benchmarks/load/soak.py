@@ -88,7 +88,8 @@ async def soak(base: str, processes: ServerProcesses, model: str, max_tokens: in
     outcomes = await client.run(base, client.endless(cancel_fraction, seed), model, max_tokens, concurrency,
                                 deadline=deadline, on_done=window.append)
     await task
-    return samples, {"requests": len(outcomes), "status": histogram(o.status for o in outcomes),
+    return samples, {"requests": len(outcomes), "status": histogram("disconnected" if o.status is None else o.status
+                                                                for o in outcomes),
                      "cancelled": sum(o.cancelled for o in outcomes)}
 
 
