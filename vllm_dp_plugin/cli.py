@@ -21,6 +21,7 @@
     vllm-dp bench attention-real [options]      offline per-layer causes on SmolLM2: sinks, kernel error, noise
     vllm-dp bench attention-ladder [options]    offline noise-free ladder: full, block, uniform, clustered, Taylor
     vllm-dp bench aggregate-batch [options]     answer-level aggregation's member batch vs one plain request
+    vllm-dp bench fuzz [options]                Schemathesis against the served API in each DP mode
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ BENCH_SUITES = {  # `vllm-dp bench SUITE` -> (module in vllm_dp_plugin.benchmark
     "attention-real": ("attention_real", "why DP attention garbles a real chat model, offline: sinks, kernel error, noise, per layer"),
     "attention-ladder": ("attention_ladder", "can a bounded kernel carry a real model's private context? the noise-free ladder, offline"),
     "aggregate-batch": ("aggregate_batch", "answer-level aggregation: k member prompts batched vs one plain request (transformers)"),
+    "fuzz": ("fuzz", "Schemathesis against the served API in each DP mode: no 5xx, no leak, the budget within its total"),
 }
 
 

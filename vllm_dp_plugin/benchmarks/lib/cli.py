@@ -31,6 +31,7 @@ EXAMPLES = {
     "attention-real": "vllm-dp bench attention-real --quick --out /tmp/bench-attention-real",
     "attention-ladder": "vllm-dp bench attention-ladder --limit 1 --sizes '' --modes full,block,clustered64 --out /tmp/bench-ladder",
     "aggregate-batch": "vllm-dp bench aggregate-batch --quick --out /tmp/bench-aggregate-batch",
+    "fuzz": "vllm-dp bench fuzz --modes aggregate --cases 100 --out /tmp/bench-fuzz",
 }
 
 
