@@ -79,7 +79,7 @@ def fuzz_mode(mode: Mode, model: str, max_model_len: int, cases: int, seed: int,
     logs = log_problems(mode.private, lines, texts)
     summary = tally.summary()
     summary["failures"] += len(logs)
-    return {"mode": mode.name, "summary": summary, "out_of_time": fuzzer.out_of_time, "cases_asked": cases,
+    return {"mode": mode.name, "summary": summary, "time_cut": fuzzer.cut, "cases_asked": cases,
             "log_problems": logs[:50], "log_lines": len(lines),
             "operations": {k: v.to_json() for k, v in sorted(tally.operations.items())},
             "private": {"shingles": len(mode.private.shingles), "strings": list(mode.private.strings),
@@ -104,7 +104,7 @@ def render_markdown(results: dict) -> str:
               "times are not clean."), "",
              table(["mode", "cases (asked)", "statuses", "failures", "400/422 naming no field", "budget reads",
                     "DP answers quoting a document", "wall s", "load avg start / end"],
-                   [[m["mode"], f"{m['summary']['cases']} ({m['cases_asked']}{', out of time' if m['out_of_time'] else ''})",
+                   [[m["mode"], f"{m['summary']['cases']} ({m['cases_asked']}{', time cut' if m['time_cut'] else ''})",
                      ", ".join(f"{k}: {v}" for k, v in m["summary"]["statuses"].items()),
                      m["summary"]["failures"], m["summary"]["no_field_400"], m["summary"]["budget_reads"],
                      m["summary"]["released_text"], m["wall_s"], f"{m['loadavg_start']} / {m['loadavg_end']}"]
@@ -139,7 +139,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=MAX_MODEL_LEN,
                    help=f"the server's --max-model-len (default {MAX_MODEL_LEN})")
     p.add_argument("--minutes", type=float, default=None,
-                   help="stop a mode this many minutes after its server is up, its counts as they are (default: none)")
+                   help="stop a mode this many minutes after its server is up, each operation given a slice in "
+                        "proportion to its planned cases; the counts as they are (default: no limit)")
     p.add_argument("--seed", type=int, default=0, help="Hypothesis seed (default 0)")
     p.add_argument("--work", type=Path, default=Path("/tmp/vllm-dp-fuzz"),
                    help="configs, keys, ledgers and server logs (default /tmp/vllm-dp-fuzz)")

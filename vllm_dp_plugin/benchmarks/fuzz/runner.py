@@ -25,7 +25,7 @@ from vllm_dp_plugin.benchmarks.fuzz.checks import (
 BUDGET = "/v1/dp/budget"
 # The routes a DP mode answers itself (chat, completions) and its statement get this weight in
 # the split of cases over operations; every other operation weight 1.
-DP_WEIGHT = 8
+DP_WEIGHT = 24
 DP_OPERATIONS = ("POST /v1/chat/completions", "POST /v1/completions", f"GET {BUDGET}")
 GENERATION_CAP = 16  # max_tokens, max_completion_tokens, min_tokens of a case
 CAPPED_FIELDS = ("max_tokens", "max_completion_tokens", "min_tokens", "max_output_tokens")
@@ -158,14 +158,15 @@ class Fuzzer:
     ``budget() -> statement | None`` reads ``/v1/dp/budget`` (None where it is not served);
     ``count``: the served tokenizer's token count (public numbers of a request); ``model``: the
     served model's name (shaped cases carry it); ``deadline``: a ``time.monotonic()`` after
-    which no case starts (the run stops where it is, its counts as they are)."""
+    which no case starts, split over the operations (``run``), their counts as they are."""
 
     def __init__(self, schema, private: Private, send, budget, count: Callable[[str], int] | None = None,
                  model: str = "m", cap: int = GENERATION_CAP, seed: int = 0, deadline: float = float("inf"),
                  log: Callable[[str], None] = lambda _: None):
         self.schema, self.private, self.send, self.budget = schema, private, send, budget
         self.count, self.model, self.cap, self.seed, self.log = count, model, cap, seed, log
-        self.deadline, self.out_of_time = deadline, False
+        self.deadline, self.slice_end = deadline, deadline
+        self.cut: list[str] = []  # operations whose time slice ran out
         self.tally = Tally()
 
     def operations(self) -> list:
@@ -180,7 +181,8 @@ class Fuzzer:
     def run(self, cases: int) -> Tally:
         """About ``cases`` cases over every operation (``split_cases``): operations whose input
         space is smaller (a GET without parameters) run fewer, their shortfall goes to the
-        DP operations, run last."""
+        DP operations, run last. Before the ``deadline`` each operation gets a slice of the
+        time left in proportion to its planned cases (a slow box cuts every operation alike)."""
         operations = sorted(self.operations(), key=lambda o: (operation_name(o) in DP_OPERATIONS,
                                                               operation_name(o) != f"GET {BUDGET}"))
         plan = split_cases(map(operation_name, operations), cases)
@@ -189,17 +191,17 @@ class Fuzzer:
             name = operation_name(operation)
             # the DP operations, last, share what is left evenly
             share = plan[name] if name not in DP_OPERATIONS else max(2, round(left / (len(operations) - i)))
+            planned = sum(plan[operation_name(o)] for o in operations[i:])
+            now = time.monotonic()
+            self.slice_end = min(self.deadline, now + (self.deadline - now) * plan[name] / planned)
             before = self.tally.operations.get(name, OperationTally()).cases
             try:
                 self._run_operation(operation, share)
             except OutOfTime:
-                self.out_of_time = True
+                self.cut.append(name)
             done = self.tally.operations.get(name, OperationTally()).cases - before
             left -= done
-            self.log(f"fuzz: {name}: {done} cases")
-            if self.out_of_time:
-                self.log("fuzz: out of time")
-                break
+            self.log(f"fuzz: {name}: {done} cases{' (out of time)' if name in self.cut else ''}")
         return self.tally
 
     def _run_operation(self, operation, n: int) -> None:
@@ -229,7 +231,7 @@ class Fuzzer:
 
     def one(self, case) -> None:
         """Send one case, judge its response and the budget statement after it."""
-        if time.monotonic() > self.deadline:
+        if time.monotonic() > self.slice_end:
             raise OutOfTime
         name = operation_name(case.operation)
         bound_body(case.body, self.cap)
