@@ -139,8 +139,10 @@ def test_leak_rules(private):
     assert check_response(private, 400, {}, "not json").failures == ["400 without a JSON error message"]
     assert check_response(private, 400, {}, json.dumps({"error": {"message": "no"}})).names_field is False
     assert check_response(private, 400, {}, json.dumps({"error": {"message": "bad `n`"}})).names_field is True
-    assert budget_problems(private, {"ledger": {"spent": {"epsilon": 1.0}, "total": {"epsilon": 2.0},
-                                                "remaining": {"epsilon": 1.0}}}) == []
+    ledger = {"spent": {"epsilon": 1.0}, "total": {"epsilon": 2.0}, "remaining": {"epsilon": 1.0}, "queries": n}
+    assert budget_problems(private, {"ledger": ledger}) == []  # the clients' own query count
+    assert budget_problems(private, {"ledger": ledger, "characters": len(DOCS[0])}) == [
+        f"document-derived number {len(DOCS[0])} in the budget statement"]
     logs = log_problems(private, [f"INFO 11-28 {n} vllm-dp: nothing", f"INFO vllm-dp: {n} tokens", "x 4471-93"],
                         ["a client's private prompt, long enough"])
     assert len(logs) == 2 and "4471-93" in logs[1]
