@@ -21,7 +21,7 @@ PORT ?= 8000
 # sequences); VLLM_DP_KV_CACHE_BYTES=2GiB or --kv-cache-memory-bytes in SERVE_FLAGS overrides it.
 SERVE_FLAGS ?= --dtype float32 --max-model-len 4096 --block-size 32 --enforce-eager
 
-.PHONY: install test serve bench demo demo-model real-models clean gpu-wheels docs
+.PHONY: install test serve bench fuzz demo demo-model real-models clean gpu-wheels docs
 
 install: $(STAMP)
 
@@ -78,6 +78,12 @@ demo: $(STAMP) $(DEMO_MODEL)/config.json
 bench: $(STAMP)
 	$(VENV)/bin/vllm-dp bench attention
 	$(VENV)/bin/vllm-dp bench serve
+
+# Schemathesis against the served API of SmolLM2 in each DP mode (aggregation, prompt
+# privatization, DP attention), 2,000 cases each; --max-model-len 512 and at most 16 generated
+# tokens a case bound the work (see `vllm-dp bench fuzz --help`). Results under benchmarks/results/.
+fuzz: $(STAMP) $(CHAT_MODEL)/config.json
+	$(VENV)/bin/vllm-dp bench fuzz --cases 2000
 
 # Wheels for benchmarks/gpu/*.sh on a CUDA box with only torch/triton (Python 3.12, no
 # network): dp-accounting and its small dependencies pinned to its ranges (numpy and scipy are

@@ -24,6 +24,7 @@
     vllm-dp bench ledger [options]              budget ledger: reserve + settle at 1M entries, SQLite / PostgreSQL / JSONL
     vllm-dp bench faults [options]              kill -9 under load, restart: ledger and release kept
     vllm-dp bench load [options]                load test (64 clients, cancellations, the ledger) and soak
+    vllm-dp bench fuzz [options]                Schemathesis against the served API in each DP mode
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ BENCH_SUITES = {  # `vllm-dp bench SUITE` -> (module in vllm_dp_plugin.benchmark
     "ledger": ("ledger", "budget ledger: reserve + settle at up to 1M entries, SQLite vs PostgreSQL vs the JSONL file"),
     "faults": ("faults", "kill -9 of the API server or the engine core under load, restart: ledger and release kept"),
     "load": ("load", "load test of the served modes (concurrency, cancellations, the aggregation ledger) and a soak"),
+    "fuzz": ("fuzz", "Schemathesis against the served API in each DP mode: no 5xx, no leak, the budget within its total"),
 }
 
 

@@ -221,8 +221,8 @@ def test_bad_privatize_inputs(table):
         (ids[None], mask[None], "1-D"),
         (ids, mask.long(), "bool"),
         (ids, mask[:5], "shape"),
-        (torch.tensor([0, VOCAB]), torch.ones(2, dtype=torch.bool), "input domain"),
-        (torch.tensor([-1, 3]), torch.ones(2, dtype=torch.bool), "input domain"),
+        (torch.tensor([0, VOCAB]), torch.ones(2, dtype=torch.bool), "prompt token ids must lie in"),
+        (torch.tensor([-1, 3]), torch.ones(2, dtype=torch.bool), "prompt token ids must lie in"),
     ]
     for bad_ids, bad_mask, match in cases:
         with pytest.raises(ValueError, match=match):

@@ -2,7 +2,7 @@
 answers with a deterministic next-token distribution (a function of the prompt's ids), in the
 shape ``serving.aggregate.EngineSource`` reads (``FlatLogprobs`` of position 0). Like vLLM, it
 refuses a prompt longer than ``max_model_len`` with an error that names the prompt's length:
-the leak the service must never pass on."""
+the leak the service must never pass on; and an empty prompt."""
 
 from __future__ import annotations
 
@@ -34,6 +34,8 @@ class FakeEngine:
         ids = list(prompt["prompt_token_ids"])
         self.calls.append({"ids": ids, "cache_salt": prompt.get("cache_salt"), "request_id": request_id})
         await asyncio.sleep(0)
+        if not ids:
+            raise ValueError("The decoder prompt cannot be empty")
         if self.fail or len(ids) >= self.max_model_len:
             raise ValueError(f"The decoder prompt (length {len(ids)}) is longer than the maximum model length "
                              f"of {self.max_model_len}.")

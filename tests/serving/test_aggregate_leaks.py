@@ -263,3 +263,24 @@ def test_a_ledger_that_cannot_be_written_refuses_with_503_before_any_member_runs
     status, error = answer(svc, "/v1/chat/completions", body)
     assert status == 503 and "ledger" in error["error"]["message"] and str(tmp_path) not in json.dumps(error)
     assert svc.source.engine.calls == [] and queries(svc) == 0
+
+
+@pytest.mark.parametrize("path,body,field", [
+    ("/v1/completions", {"prompt": [5, 10**6]}, "`prompt`"),  # past the vocabulary: the engine would fail (500)
+    ("/v1/completions", {"prompt": [5, -1]}, "`prompt`"),
+    ("/v1/completions", {"prompt": ""}, "`prompt`"),  # the engine refuses an empty prompt (500)
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]},
+     "`messages`"),  # the demo template concatenates content as a string
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "`messages`"),
+    ("/v1/completions", {"prompt": "Hi", "max_completion_tokens": -1}, "`max_completion_tokens`"),
+    ("/v1/completions", {"prompt": "Hi", "max_completion_tokens": None, "max_tokens": True}, "`max_tokens`"),
+])
+def test_a_request_the_service_cannot_read_is_a_400_naming_the_field_before_any_reservation(
+        tmp_path, tokenizer, path, body, field):
+    """Found by fuzzing (``vllm-dp bench fuzz``): an empty completion prompt reached the engine
+    and failed the query (500, its budget spent), as out-of-vocabulary prompt ids would; a message the chat template cannot render
+    raised a bare exception (vLLM's handler made it a 400 naming no field)."""
+    svc = service(tmp_path, tokenizer, [("d0", DOCS[0])])
+    status, error = answer(svc, path, body)
+    assert status == 400 and error["error"]["message"].startswith(field), error
+    assert queries(svc) == 0 and not svc.source.engine.calls

@@ -198,6 +198,6 @@ class TokenPrivatizer:
             )
         if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < self.table.vocab_size):
             raise ValueError(
-                f"token ids must lie in [0, {self.table.vocab_size}) (the input domain)"
+                f"prompt token ids must lie in [0, {self.table.vocab_size}) (the input domain)"
             )
         return private_mask.nonzero().squeeze(1)

@@ -293,11 +293,12 @@ class AggregateService:
             raise RequestError(400, f"`{field}` is not allowed with DP aggregation: {why}")
 
     def _max_tokens(self, body: dict) -> int:
-        asked = body.get("max_completion_tokens", body.get("max_tokens"))
+        name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        asked = body.get(name)
         if asked is None:
             return self.cfg.max_tokens
-        if not isinstance(asked, int) or asked < 1:
-            raise RequestError(400, f"max_tokens must be a positive integer, got {asked!r}")
+        if not isinstance(asked, int) or isinstance(asked, bool) or asked < 1:
+            raise RequestError(400, f"`{name}` must be a positive integer, got {asked!r}")
         return min(asked, self.cfg.max_tokens)
 
     def _public_ids(self, path: str, body: dict) -> list[int]:
@@ -305,14 +306,29 @@ class AggregateService:
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages:
                 raise RequestError(400, "`messages` must be a non-empty list")
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            return self.tokenizer.encode(text, add_special_tokens=False)
+            return self.tokenizer.encode(self._render(messages), add_special_tokens=False)
         prompt = body.get("prompt")
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special_tokens=False)
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+            if not ids:  # the engine refuses an empty prompt: a failed query (500)
+                raise RequestError(400, "`prompt` must not be empty")
+            return ids
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            vocab = len(self.tokenizer)  # the engine's own refusal would be a failed query (500)
+            if not all(0 <= t < vocab for t in prompt):
+                raise RequestError(400, f"`prompt` token ids must be in [0, {vocab})")
             return list(prompt)
         raise RequestError(400, "`prompt` must be one string or one list of token ids")
+
+    def _render(self, messages: list, system: bool = False) -> str:
+        """The chat template's rendering of the client's ``messages`` (generation prompt on;
+        ``system``: after an empty system turn); 400 naming ``messages`` when the template
+        cannot render them (its error is about the client's own messages and the public template)."""
+        turns = [{"role": "system", "content": ""}, *messages] if system else messages
+        try:
+            return self.tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # noqa: BLE001 - jinja2, TypeError, KeyError: any is the messages' fault
+            raise RequestError(400, f"`messages` cannot be rendered by the chat template: {exc}"[:300]) from None
 
     def _suffix_ids(self, path: str, body: dict, public: list[int]) -> list[int]:
         """What follows a member's system turn: the conversation (chat: the template over
@@ -347,7 +363,8 @@ class AggregateService:
         content = next((m.get("content") for m in reversed(body["messages"])
                         if isinstance(m, dict) and m.get("role") == "user"), "")
         if isinstance(content, list):  # OpenAI content parts
-            content = " ".join(part.get("text", "") for part in content if isinstance(part, dict))
+            content = " ".join(part["text"] for part in content if isinstance(part, dict)
+                               and isinstance(part.get("text"), str))
         return content if isinstance(content, str) else ""
 
     @functools.cached_property
@@ -371,11 +388,10 @@ class AggregateService:
 
     def _conversation_ids(self, messages: list[dict]) -> list[int]:
         """The template's rendering of ``messages`` after a system turn (ids), generation prompt on."""
-        system = [{"role": "system", "content": ""}]
-        alone = self.tokenizer.apply_chat_template(system, tokenize=False)
-        both = self.tokenizer.apply_chat_template([*system, *messages], tokenize=False, add_generation_prompt=True)
+        alone = self.tokenizer.apply_chat_template([{"role": "system", "content": ""}], tokenize=False)
+        both = self._render(messages, system=True)
         if not both.startswith(alone):
-            raise RequestError(400, "the chat template renders a system turn differently when messages follow")
+            raise RequestError(400, "`messages`: the chat template renders a system turn differently when they follow")
         return self.tokenizer.encode(both[len(alone):], add_special_tokens=False)
 
     def _client(self, headers) -> AggregateClient | None:
