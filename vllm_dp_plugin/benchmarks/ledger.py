@@ -290,11 +290,11 @@ def write(args, argv, rows: list[dict], skipped: dict, shared: dict | None) -> N
         *(f"Skipped {name}: {why}." for name, why in skipped.items()), "",
         *([] if shared is None else [
             f"## {shared['replicas']} `vllm-dp serve` processes on one PostgreSQL ledger", "",
-            f"{shared['queries']} queries (eps 1 each) at once against a collection whose total is "
+            (f"{shared['queries']} queries (eps 1 each) at once against a collection whose total is "
             f"{shared['total_epsilon']:g}: {shared['granted']} granted, {shared['refused_429']} refused with 429"
             f"{', other statuses ' + str(shared['other_status']) if shared['other_status'] else ''}; "
             f"spent per server's /v1/dp/budget {shared['spent_per_server']}, receipts delivered sum to "
-            f"{shared['receipts_sum']:g}: {'within' if shared['within_total'] else 'OVER'} the total.", ""]),
+             f"{shared['receipts_sum']:g}: {'within' if shared['within_total'] else 'OVER'} the total."), ""]),
         "Environment: " + json.dumps(environment("cpu", ())), "",
     ])
     write_text(suffixed(stem, ".md"), text)
