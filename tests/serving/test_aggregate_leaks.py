@@ -284,3 +284,21 @@ def test_a_request_the_service_cannot_read_is_a_400_naming_the_field_before_any_
     status, error = answer(svc, path, body)
     assert status == 400 and error["error"]["message"].startswith(field), error
     assert queries(svc) == 0 and not svc.source.engine.calls
+
+
+def test_the_budget_route_answers_503_when_the_ledger_cannot_be_read():
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from vllm_dp_plugin.privacy.ledger_store import LedgerUnavailable
+    from vllm_dp_plugin.serving.http import DynamicBudget, router
+
+    def down():
+        raise LedgerUnavailable("ledger /srv/secret-path/ledger.sqlite: disk I/O error")
+
+    app = FastAPI()
+    app.include_router(router)
+    app.state.dp_budget = DynamicBudget(down)
+    reply = TestClient(app).get("/v1/dp/budget")
+    assert reply.status_code == 503 and "ledger" in reply.json()["error"]["message"]
+    assert "secret-path" not in reply.text

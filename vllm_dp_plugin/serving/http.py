@@ -38,6 +38,7 @@ from fastapi.responses import JSONResponse
 from ..config import ConfigError
 from ..plan import release_fact_sheets
 from ..privacy.keyed_noise import NoiseKey
+from ..privacy.ledger_store import LedgerUnavailable
 from ..privacy.release_ledger import ReleaseLedger
 from ..prompt.session import (
     OPTION_CONTEXT,
@@ -166,7 +167,7 @@ def _is_set(value) -> bool:
 
 
 def _error(status: int, message: str) -> JSONResponse:
-    kind = "BadRequestError" if status == 400 else "PermissionDeniedError"
+    kind = {400: "BadRequestError", 503: "ServiceUnavailableError"}.get(status, "PermissionDeniedError")
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
 
 
@@ -298,7 +299,11 @@ async def dp_budget(request: Request) -> JSONResponse:
     payload = getattr(request.app.state, "dp_budget", None)
     if payload is None:
         return _error(400, "the server was started without the dp_privacy plugin state")
-    return JSONResponse(await asyncio.to_thread(_payload, payload))  # may read a ledger file
+    try:
+        return JSONResponse(await asyncio.to_thread(_payload, payload))  # may read the ledger
+    except LedgerUnavailable as exc:  # the database is down or unreadable: say so, not a 500
+        logger.error("vllm-dp: %s", exc)
+        return _error(503, "the budget ledger cannot be read (see the server's log)")
 
 
 class DynamicBudget:
