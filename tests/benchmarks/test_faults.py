@@ -58,8 +58,16 @@ def test_bounds_are_the_stated_inequality():
 
 @pytest.mark.parametrize("spent, queries", [(45.0, 13), (53.0, 14), (60.0, 14)])
 def test_accounting_passes_what_the_code_may_leave(spent, queries):
-    found = checks.accounting(BEFORE, ledger(spent, queries, 1e-6), ledger(44.0, 12), OUTCOMES, WORST, LEAST)
+    found = checks.accounting(BEFORE, ledger(spent, queries, 1e-6), (6.5, ledger(44.0, 12)), OUTCOMES, WORST, LEAST)
     assert all(found.values()), found
+
+
+def test_a_settlement_below_its_reservation_after_a_poll_is_not_a_lost_charge():
+    # at 1.0 the two answered queries ran, reserved at their worst case: a poll saw 40 + 2 x 8 = 56;
+    # they settled at 3 and 1 afterwards: spending went down to 45 with the cut stream's least charge
+    found = checks.accounting(BEFORE, ledger(45.0, 13), (1.0, ledger(56.0, 12)), OUTCOMES, WORST, LEAST)
+    assert all(found.values()), found
+    assert checks.refundable(OUTCOMES, 1.0, WORST, LEAST) == Budget(5.0 + 7.0 + 7.0 + 7.0, 4e-6)
 
 
 @pytest.mark.parametrize("spent, queries, failed", [
@@ -75,11 +83,14 @@ def test_accounting_fails_a_lost_or_extra_charge(spent, queries, failed):
 
 
 def test_accounting_keeps_the_last_budget_seen_and_the_receipts_remaining():
-    # 45 covers the receipts, but a poll before the kill saw 47 spent and a receipt said 50 of 100 left
-    assert checks.receipt_floor(OUTCOMES, TOTAL) == Budget(44.0, 0.0)
-    outcomes = [*OUTCOMES[:1], checks.Outcome(0.1, True, 3.0, 200, receipt(1.0, remaining=50.0)), *OUTCOMES[2:]]
-    found = checks.accounting(BEFORE, ledger(45.0, 13), ledger(47.0, 13), outcomes, WORST, LEAST)
-    assert not found["last_budget_kept"] and not found["receipt_remaining_kept"] and found["receipts_covered"]
+    # the second receipt says 44 spent, less what the three queries running since it was sent may
+    # give back (5 + 7 + 7): 25
+    assert checks.receipt_floor(OUTCOMES, TOTAL, WORST, LEAST) == Budget(44.0 - 19.0, -3e-6)
+    # 45 covers the receipts, but a poll after every query ended saw 47 spent, and a receipt of a
+    # query sent when nothing else ran said 50 of 100 spent
+    late = checks.Outcome(6.1, False, 6.4, 200, receipt(1.0, remaining=50.0))
+    found = checks.accounting(BEFORE, ledger(45.0, 13), (6.5, ledger(47.0, 13)), [*OUTCOMES, late], WORST, LEAST)
+    assert not found["last_budget_kept"] and not found["receipt_remaining_kept"]
 
 
 def test_accounting_rejects_an_unexpected_status():

@@ -17,7 +17,10 @@ the code promises, per coordinate (epsilon and delta):
 and ``|A| + |R| <= queries1 - queries0 <= |A| + |R| + |N|`` (one reservation per query that got
 past ``reserve``); also ``S1 >=`` the spent seen by the last ``/v1/dp/budget`` answered before the
 kill, and ``S1 >= total - remaining`` of every receipt (it states the budget left after its own
-settlement). Sums are exact (``math.fsum``), compared with the ledger's relative tolerance.
+settlement), each less what the queries that had not ended when it was read may still give back
+by settling below their reservation (``refundable``: ``w - receipt`` for an answered one, ``w - m``
+for any other): spending is not monotone, a settlement returns the unused part of a reservation.
+Sums are exact (``math.fsum``), compared with the ledger's relative tolerance.
 
 DP attention: the release is one keyed draw, so after a restart the statement
 (``/v1/dp/budget``) and the greedy answers with their log-probabilities to fixed prompts (a
@@ -108,19 +111,43 @@ def bounds(before: Ledger, outcomes: Sequence[Outcome], worst: Budget, least: Bu
     return Bounds(low, high, before.queries + answered + reserved, before.queries + answered + reserved + unknown)
 
 
-def receipt_floor(outcomes: Sequence[Outcome], total: Budget) -> Budget:
-    """The most any receipt says was spent when it was written: ``total - remaining``."""
-    floors = [Budget(total.epsilon - o.receipt["remaining"]["epsilon"], total.delta - o.receipt["remaining"]["delta"])
-              for o in outcomes if o.kind == ANSWERED]
+def refundable(outcomes: Sequence[Outcome], since: float, worst: Budget, least: Budget,
+               but: Outcome | None = None) -> Budget:
+    """What the queries that had not ended at ``since`` (``but`` aside) may still give back by
+    settling below their reservation: ``w - receipt`` if answered, else ``w - m``."""
+    late = [o for o in outcomes if o is not but and o.kind not in (REFUSED, REJECTED)  # these reserved nothing
+            and (o.ended is None or o.ended >= since)]
+
+    def summed(name: str) -> float:
+        return math.fsum(getattr(worst, name) - (float(o.receipt[name]) if o.kind == ANSWERED else getattr(least, name))
+                         for o in late)
+
+    return Budget(summed("epsilon"), summed("delta"))
+
+
+def receipt_floor(outcomes: Sequence[Outcome], total: Budget, worst: Budget, least: Budget) -> Budget:
+    """The most any receipt says was spent when it was written (``total - remaining``), less what
+    the queries still running since its request was sent may give back (``refundable``)."""
+    floors = []
+    for o in outcomes:
+        if o.kind == ANSWERED:
+            back = refundable(outcomes, o.sent, worst, least, but=o)
+            floors.append(Budget(total.epsilon - o.receipt["remaining"]["epsilon"] - back.epsilon,
+                                 total.delta - o.receipt["remaining"]["delta"] - back.delta))
     return Budget(max((f.epsilon for f in floors), default=0.0), max((f.delta for f in floors), default=0.0))
 
 
-def accounting(before: Ledger, after: Ledger, last_seen: Ledger | None, outcomes: Sequence[Outcome],
+def accounting(before: Ledger, after: Ledger, last_seen: tuple[float, Ledger] | None, outcomes: Sequence[Outcome],
                worst: Budget, least: Budget) -> dict[str, bool]:
-    """The aggregation checks of one trial (module doc), each by name."""
+    """The aggregation checks of one trial (module doc), each by name; ``last_seen``: the last
+    statement read before the kill, with when its request was sent."""
     b = bounds(before, outcomes, worst, least)
-    seen = before.spent if last_seen is None else last_seen.spent
-    floor = receipt_floor(outcomes, after.total)
+    if last_seen is None:
+        seen = before.spent
+    else:
+        back = refundable(outcomes, last_seen[0], worst, least)
+        seen = Budget(last_seen[1].spent.epsilon - back.epsilon, last_seen[1].spent.delta - back.delta)
+    floor = receipt_floor(outcomes, after.total, worst, least)
     return {
         "receipts_covered": _at_least(after.spent, b.low),
         "last_budget_kept": _at_least(after.spent, seen),

@@ -171,10 +171,11 @@ class Trials:
         context = before["contexts"][0]["name"]
         worst = before["contexts"][0]["per_query"]["worst_case"]
         least = Budget(before["contexts"][0]["per_query"]["min_epsilon"], 0.0)
+        seen_at = [t for t, s in traffic.record.budgets if t < traffic.killed_at]
         seen = [s for t, s in traffic.record.budgets if t < traffic.killed_at]
         after = checks.Ledger.from_statement(await self.statement(server), context)
         found = checks.accounting(checks.Ledger.from_statement(before, context), after,
-                                  checks.Ledger.from_statement(seen[-1], context) if seen else None,
+                                  (seen_at[-1], checks.Ledger.from_statement(seen[-1], context)) if seen else None,
                                   traffic.record.outcomes, Budget(worst["epsilon"], worst["delta"]), least)
         status, body = await load.probe(server.base, self.model, self.max_tokens)
         return {**found, "probe_answered_or_429": checks.probe_ok(status, body)}
