@@ -377,3 +377,19 @@ def _read_only(path):
     store._conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, isolation_level=None,
                                   check_same_thread=False)
     return store
+
+
+def test_only_the_settlement_skips_the_wait_for_the_disk(key, tmp_path, monkeypatch):
+    """A reservation is durable before it returns (synchronous=FULL); a settlement, which only
+    gives budget back, commits with synchronous=NORMAL, and the connection is FULL again after."""
+    ledger = QueryLedger(key, tmp_path / "ledger.sqlite")
+    conn = ledger.store._conn
+    seen = []
+    conn.set_trace_callback(lambda sql: seen.append(sql) if sql.startswith(("PRAGMA synchronous", "COMMIT")) else None)
+    reservation = ledger.reserve("ctx", TOTAL, Budget(1.0, 0.0))
+    assert seen == ["COMMIT"]
+    seen.clear()
+    ledger.settle(reservation, Budget(0.5, 0.0))
+    assert seen == ["PRAGMA synchronous = NORMAL", "COMMIT", "PRAGMA synchronous = FULL"]
+    assert conn.execute("PRAGMA synchronous").fetchone() == (2,)  # FULL
+    assert ledger.status("ctx", TOTAL).spent == Budget(0.5, 0.0)

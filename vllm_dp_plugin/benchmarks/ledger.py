@@ -6,11 +6,12 @@ An entry is one event of the JSONL ledger: a query's reservation or its settleme
 are N/2 settled queries on one context (what ``--entries`` fills before timing). Per backend and
 N: ``open_s``, a new ledger object's first call (a server's start-up: the JSONL ledger parses
 the whole file there), then ``--pairs`` reserve + settle pairs timed one by one (median and
-p99, ms). Target: SQLite reserve + settle <= 1 ms at 1M entries. Every commit waits for the
-disk (SQLite ``synchronous=FULL``; the JSONL ledger's fsync; PostgreSQL's WAL flush), so the
+p99, ms). Target: SQLite reserve + settle <= 1 ms at 1M entries. A reservation waits for the
+disk (SQLite ``synchronous=FULL``; PostgreSQL's WAL flush; the JSONL ledger fsyncs both lines); a
+settlement, which only gives budget back, does not (``ledger_store``: ``durable=False``), so the
 figures are this disk's fsync plus the work: the result file states the load average and a raw
-fsync's median. ``sqlite-normal`` (``synchronous=NORMAL``, no fsync per commit: not what serving
-uses) isolates the ledger's own work.
+fsync's median. ``sqlite-normal`` (``synchronous=NORMAL`` for the reservation too: not what
+serving uses) isolates the ledger's own work.
 
 ``--replicas N --model M``: also N ``vllm-dp serve`` processes (DP aggregation over one
 collection) on one PostgreSQL ledger, queried at once from ``--clients`` threads until the

@@ -9,7 +9,11 @@ rows it reads ``FOR UPDATE``), so processes sharing a store never both grant the
 
 Durability: SQLite runs in WAL mode with ``synchronous=FULL`` (a commit is on disk before the
 call returns: before any private computation); PostgreSQL commits as configured on the server
-(its default, ``synchronous_commit=on``, is the same promise). A store that cannot be read or
+(its default, ``synchronous_commit=on``, is the same promise). A write that only gives budget
+back (a settlement below its reservation) may pass ``durable=False``: it is not waited for on
+disk (SQLite ``synchronous=NORMAL`` for that commit, PostgreSQL ``synchronous_commit=off``), so a
+power loss may undo it and leave the reservation counted in full: the safe direction; a process
+crash (``kill -9``) loses nothing either way. A store that cannot be read or
 written (disk full, a read-only file, the database down) raises ``LedgerUnavailable`` and
 records nothing: requests that need it are refused (HTTP 503), never answered unaccounted.
 """
@@ -100,10 +104,12 @@ class LedgerStore(ABC):
         self._mutex = threading.Lock()
 
     @contextmanager
-    def transaction(self, *, write: bool) -> Iterator[Transaction]:
+    def transaction(self, *, write: bool, durable: bool = True) -> Iterator[Transaction]:
         """A transaction, committed when the block ends and rolled back if it raises. ``write``:
-        take the write lock at once (a read-check-write that no other process interleaves)."""
-        with self._mutex, self._errors(), self._begin(write) as tx:
+        take the write lock at once (a read-check-write that no other process interleaves).
+        ``durable=False``: the commit need not reach the disk before the call returns (only for
+        writes whose loss is safe: module doc)."""
+        with self._mutex, self._errors(), self._begin(write, durable) as tx:
             yield tx
 
     def _create_schema(self, tx: Transaction) -> None:
@@ -117,7 +123,7 @@ class LedgerStore(ABC):
                                     f"vllm-dp reads version {SCHEMA_VERSION}")
 
     @abstractmethod
-    def _begin(self, write: bool): ...
+    def _begin(self, write: bool, durable: bool): ...
 
     @abstractmethod
     def _errors(self): ...
@@ -144,20 +150,27 @@ class SQLiteStore(LedgerStore):
                                          timeout=BUSY_TIMEOUT_MS / 1000)
             self._conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
             self._conn.execute("PRAGMA journal_mode = WAL")
-            self._conn.execute(f"PRAGMA synchronous = {SYNCHRONOUS[synchronous]}")
+            self._synchronous = SYNCHRONOUS[synchronous]
+            self._conn.execute(f"PRAGMA synchronous = {self._synchronous}")
         with self.transaction(write=True) as tx:
             self._create_schema(tx)
 
     @contextmanager
-    def _begin(self, write: bool):
+    def _begin(self, write: bool, durable: bool):
         cursor = self._conn.cursor()
-        cursor.execute("BEGIN IMMEDIATE" if write else "BEGIN")
+        if not durable:  # set outside the transaction (SQLite ignores it inside one)
+            cursor.execute("PRAGMA synchronous = NORMAL")
         try:
-            yield Transaction(cursor, "?", "", advisory=False)
-        except BaseException:
-            cursor.execute("ROLLBACK")
-            raise
-        cursor.execute("COMMIT")
+            cursor.execute("BEGIN IMMEDIATE" if write else "BEGIN")
+            try:
+                yield Transaction(cursor, "?", "", advisory=False)
+            except BaseException:
+                cursor.execute("ROLLBACK")
+                raise
+            cursor.execute("COMMIT")
+        finally:
+            if not durable:
+                cursor.execute(f"PRAGMA synchronous = {self._synchronous}")
 
     @contextmanager
     def _errors(self):
@@ -202,9 +215,11 @@ class PostgresStore(LedgerStore):
         return self._conn
 
     @contextmanager
-    def _begin(self, write: bool):
+    def _begin(self, write: bool, durable: bool):
         conn = self._connection()
         with conn.transaction(), conn.cursor() as cursor:
+            if not durable:
+                cursor.execute("SET LOCAL synchronous_commit = off")
             yield Transaction(cursor, "%s", " FOR UPDATE", advisory=True)
 
     @contextmanager

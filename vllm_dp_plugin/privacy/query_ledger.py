@@ -9,7 +9,9 @@ Guarantees:
   the store never grant more than the total between them.
 * **Crash-safe.** A reservation is committed (on disk) before ``reserve`` returns, i.e. before any
   private computation; a crash afterwards leaves the full reserved amount counted (over-counting
-  is the safe direction). A store that cannot be written raises ``LedgerUnavailable``.
+  is the safe direction). A settlement is committed without waiting for the disk: a power cut may
+  undo it, leaving the reservation counted in full, the same safe direction. A store that cannot
+  be written raises ``LedgerUnavailable``.
 * **Composition.** Queries use independent noise, so their budgets compose by basic composition
   (Dwork & Roth Thm 3.16): epsilons add, deltas add. A context's spent budget is the sum of the
   settled amounts of settled reservations plus the full amounts of unsettled ones.
@@ -175,7 +177,9 @@ class QueryLedger:
         context = _check_context(reservation.context)
         actual = _check_amount(actual, "actual")
         label, client = self._context_label(context), self._client_label(reservation.quota)
-        with self.store.transaction(write=True) as tx:
+        # not waited for on disk: a settlement only gives back budget, so losing it to a power cut
+        # leaves the reservation counted in full (ledger_store: durable=False)
+        with self.store.transaction(write=True, durable=False) as tx:
             row = tx.one("SELECT key, context, client, epsilon, delta, total_epsilon, total_delta, settled_at "
                          f"FROM query_reservations WHERE id = ?{tx.for_update}", (reservation.id,))
             if row is None or row[:3] != (self._key_label, label, client):
