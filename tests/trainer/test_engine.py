@@ -171,6 +171,25 @@ def test_frozen_parameters_are_skipped():
     assert model.transformer.wte.weight.grad is None
 
 
+@pytest.mark.parametrize(("tied", "shared", "alone"), [(True, 8, 14), (False, 9, 15)])
+def test_layers_reading_one_input_share_its_gram(monkeypatch, tied, shared, alone):
+    """Llama's q/k/v read one normed hidden state and gate/up another: 4 input Grams per layer
+    instead of 7 (+ the untied head's), counted at ``base.gram`` (only ``InputGrams`` calls it
+    there), with the same norms as when every layer computes its own."""
+    from vllm_dp_plugin.trainer.norm_rules import base
+
+    computed = []
+    counted_gram = base.gram
+    monkeypatch.setattr(base, "gram", lambda x: computed.append(x.shape) or counted_gram(x))
+    config = DPConfig(noise_multiplier=0.0, expected_batch_size=BATCH)
+    norms = engine_step(llama(tied=tied), config, [make_batch()])
+    assert len(computed) == shared
+    computed.clear()
+    monkeypatch.setattr(base.InputGrams, "of", lambda self, x, dtype: base.gram(x.to(dtype)))
+    torch.testing.assert_close(norms, engine_step(llama(tied=tied), config, [make_batch()]), rtol=1e-12, atol=0)
+    assert len(computed) == alone
+
+
 def test_virtual_batches_equal_one_batch():
     """Two half batches accumulate into the same noisy step as the full batch (same seed: the
     noise is drawn once per step, not per virtual batch)."""

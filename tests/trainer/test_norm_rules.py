@@ -9,6 +9,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 from vllm_dp_plugin.trainer.norm_rules import (
+    InputGrams,
     NormRule,
     find_rule,
     register_norm_rule,
@@ -103,7 +104,7 @@ def test_rule_equals_brute_force_per_sample_gradients(case, tokens):
             continue
         truth = per_sample[role.attr]
         torch.testing.assert_close(
-            role.sq_norms(module, x, g), truth.pow(2).flatten(1).sum(1), rtol=1e-10, atol=0
+            role.sq_norms(module, x, g, InputGrams()), truth.pow(2).flatten(1).sum(1), rtol=1e-10, atol=0
         )
         torch.testing.assert_close(
             role.clipped_sum(module, x, g, c), torch.einsum("b,b...->...", c, truth), rtol=1e-10, atol=1e-12
@@ -123,3 +124,16 @@ def test_a_type_gets_one_rule():
     with pytest.raises(ValueError, match="Linear already has a norm rule"):
         register_norm_rule(nn.Linear)(type("Other", (NormRule,), {"name": "Other", "roles": ()}))
     assert [rule.name for rule in registered_rules()].count("Other") == 0
+
+
+def test_input_grams_are_shared_by_value_identity_only():
+    """One Gram per storage/offset/shape/strides/version: a view of the same values shares it; an
+    in-place write (new version), an equal copy or another dtype gets its own."""
+    x = torch.randn(BATCH, 3, DIM, dtype=torch.float64)
+    grams = InputGrams()
+    first = grams.of(x, torch.float64)
+    assert grams.of(x.view(BATCH, 3, DIM), torch.float64) is first
+    assert grams.of(x.clone(), torch.float64) is not first
+    assert grams.of(x, torch.float32).dtype == torch.float32
+    x.mul_(2)
+    torch.testing.assert_close(grams.of(x, torch.float64), 4 * first, rtol=1e-15, atol=0)

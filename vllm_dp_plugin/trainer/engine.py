@@ -62,7 +62,7 @@ from vllm_dp_plugin.privacy.keyed_noise import SEED_BYTES, fresh_generator, seed
 from vllm_dp_plugin.privacy.noise import GridGaussian
 from vllm_dp_plugin.privacy.validation import check_count, check_positive
 
-from .norm_rules import NormRule, ParamRole, find_rule, norm_dtype, supported_names
+from .norm_rules import InputGrams, NormRule, ParamRole, find_rule, norm_dtype, supported_names
 from .norm_rules.embedding import tied_embedding_sq_norms
 
 Clipping = Literal["automatic", "flat"]
@@ -207,12 +207,13 @@ def _batch_first(t: torch.Tensor, lookup: bool) -> torch.Tensor:
     return t.reshape(t.shape[0], -1) if lookup else t.reshape(t.shape[0], -1, t.shape[-1])
 
 
-def _param_sq_norms(uses: list[_Use]) -> torch.Tensor:
+def _param_sq_norms(uses: list[_Use], grams: InputGrams) -> torch.Tensor:
     """Per-sample squared norm ``[B]`` of one parameter's total gradient over its uses: one use,
-    or the tied lookup + output pair (Phantom Clipping, cross term included)."""
+    or the tied lookup + output pair (Phantom Clipping, cross term included). ``grams``: the
+    backward's input Grams, shared between layers reading the same input."""
     if len(uses) == 1:
         use = uses[0]
-        return use.role.sq_norms(use.module, use.x, use.g)
+        return use.role.sq_norms(use.module, use.x, use.g, grams)
     lookup = next(u for u in uses if isinstance(u.module, nn.Embedding))
     output = next(u for u in uses if u is not lookup)
     return tied_embedding_sq_norms(lookup.x, lookup.g, output.x, output.g, lookup.module.padding_idx)
@@ -367,9 +368,11 @@ class DPEngine:
         return uses
 
     def _sq_norms(self, uses: dict[nn.Parameter, list[_Use]], loss: torch.Tensor) -> torch.Tensor:
-        """``[b]``: sum over trainable parameters of the per-sample squared gradient norms."""
+        """``[b]``: sum over trainable parameters of the per-sample squared gradient norms (each
+        distinct layer input's Gram computed once: ``InputGrams``)."""
         start = torch.zeros(loss.shape[0], dtype=norm_dtype(loss), device=loss.device)
-        return sum((_param_sq_norms(param_uses) for param_uses in uses.values()), start)
+        grams = InputGrams()
+        return sum((_param_sq_norms(param_uses, grams) for param_uses in uses.values()), start)
 
     def _clip_factors(self, sample_norms: torch.Tensor) -> torch.Tensor:
         """``[b]`` factors with ``c_i n_i <= C``: AUTO-S ``C / (n_i + gamma)`` or ``min(1, C / n_i)``."""

@@ -16,6 +16,7 @@ Supported: ``linear`` (``nn.Linear``), ``conv1d`` (Hugging Face GPT-2 ``Conv1D``
 
 from . import conv1d, embedding, layernorm, linear, rmsnorm  # noqa: F401  (importing registers)
 from .base import (
+    InputGrams,
     NormRule,
     ParamRole,
     find_rule,
@@ -32,6 +33,7 @@ from .linear import bias_sq_norms, linear_sq_norms
 from .rmsnorm import rmsnorm_sq_norms
 
 __all__ = [
+    "InputGrams",
     "NormRule",
     "ParamRole",
     "bias_sq_norms",

@@ -20,14 +20,15 @@ from typing import ClassVar, TypeVar
 import torch
 from torch import nn
 
-SqNorms = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+SqNorms = Callable[[nn.Module, torch.Tensor, torch.Tensor, "InputGrams"], torch.Tensor]
 ClippedSum = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
 class ParamRole:
-    """One parameter (attribute ``attr``) of a supported module: ``sq_norms(module, x, g)``
-    -> ``[B]`` and ``clipped_sum(module, x, g, c)`` -> ``sum_b c_b dL_b/dparam``."""
+    """One parameter (attribute ``attr``) of a supported module: ``sq_norms(module, x, g, grams)``
+    -> ``[B]`` (``grams``: the backward's ``InputGrams``, for rules that use ``x x^T``) and
+    ``clipped_sum(module, x, g, c)`` -> ``sum_b c_b dL_b/dparam``."""
 
     attr: str
     sq_norms: SqNorms
@@ -134,6 +135,26 @@ def norm_dtype(*tensors: torch.Tensor) -> torch.dtype:
 def gram(x: torch.Tensor) -> torch.Tensor:
     """``x: [B, T, D]`` -> ``[B, T, T]`` per-sample Gram matrices."""
     return x @ x.transpose(1, 2)
+
+
+class InputGrams:
+    """Per-sample Grams ``x x^T`` of layer inputs, each computed once per distinct input in one
+    backward: layers that read the same tensor (Llama's q/k/v projections read one normed hidden
+    state, gate/up another) share one Gram. Sameness is read off the tensors, never off module
+    names: the same storage, offset, shape, strides, dtype, device and version counter (an
+    in-place write in between changes the version), i.e. the same values. Every keyed input is
+    held until the memo is dropped, so no freed storage's address can come back under a live key."""
+
+    def __init__(self) -> None:
+        self._grams: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def of(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``x: [B, T, D]`` -> ``gram(x.to(dtype))``: ``[B, T, T]``."""
+        key = (x.untyped_storage().data_ptr(), x.storage_offset(), x.shape, x.stride(), x.dtype, x.device,
+               x._version, dtype)
+        if key not in self._grams:
+            self._grams[key] = (x, gram(x.to(dtype)))
+        return self._grams[key][1]
 
 
 def wide(*tensors: torch.Tensor) -> list[torch.Tensor]:

@@ -18,7 +18,7 @@ def is_conv1d(module: nn.Module) -> bool:
 class Conv1DRule(NormRule):
     name = "Conv1D"
     roles = (
-        ParamRole("weight", lambda m, x, g: linear_sq_norms(x, g), lambda m, x, g, c: outer_sum(x, g, c)),
+        ParamRole("weight", lambda m, x, g, grams: linear_sq_norms(x, g, grams), lambda m, x, g, c: outer_sum(x, g, c)),
         BIAS,
     )
 

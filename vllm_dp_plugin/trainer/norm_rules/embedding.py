@@ -63,7 +63,7 @@ def lookup_clipped_sum(module: nn.Module, ids: torch.Tensor, g: torch.Tensor, c:
 class EmbeddingRule(NormRule):
     name = "Embedding"
     lookup = True
-    roles = (ParamRole("weight", lambda m, ids, g: lookup_sq_norms(ids, g, m.padding_idx), lookup_clipped_sum),)
+    roles = (ParamRole("weight", lambda m, ids, g, grams: lookup_sq_norms(ids, g, m.padding_idx), lookup_clipped_sum),)
 
     def reference(self, module: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, module.weight, module.padding_idx)

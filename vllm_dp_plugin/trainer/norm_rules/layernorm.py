@@ -31,7 +31,7 @@ class LayerNormRule(NormRule):
     roles = (
         ParamRole(
             "weight",
-            lambda m, x, g: layernorm_sq_norms(x, g, m.eps, bias=False),
+            lambda m, x, g, grams: layernorm_sq_norms(x, g, m.eps, bias=False),
             scaled_sum(layernorm_hat),
         ),
         BIAS,

@@ -7,20 +7,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import NormRule, ParamRole, features, gram, norm_dtype, outer_sum, register_norm_rule
+from .base import InputGrams, NormRule, ParamRole, features, gram, norm_dtype, outer_sum, register_norm_rule
 
 
-def linear_sq_norms(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+def linear_sq_norms(a: torch.Tensor, g: torch.Tensor, grams: InputGrams | None = None) -> torch.Tensor:
     """Weight ``W [d_out, d_in]`` of ``y = a W^T``: ``a: [B, T, d_in]``, ``g: [B, T, d_out]``.
 
-    Ghost norm ``<a a^T, g g^T>`` (``[B, T, T]`` Grams) when ``2 T^2 <= d_in d_out``, else the
-    per-sample gradient ``g^T a`` itself (``[B, d_out, d_in]``, the smaller of the two)."""
+    Ghost norm ``<a a^T, g g^T>`` (``[B, T, T]`` Grams; ``a a^T`` from ``grams``, shared with the
+    other layers reading ``a``, when given) when ``2 T^2 <= d_in d_out``, else the per-sample
+    gradient ``g^T a`` itself (``[B, d_out, d_in]``, the smaller of the two)."""
     dtype = norm_dtype(a, g)
-    a, g = a.to(dtype), g.to(dtype)
     tokens, d_in, d_out = a.shape[1], a.shape[2], g.shape[2]
+    g = g.to(dtype)
     if 2 * tokens * tokens <= d_in * d_out:
-        return (gram(a) * gram(g)).sum((1, 2))
-    return torch.einsum("bto,bti->boi", g, a).pow(2).sum((1, 2))
+        a_gram = gram(a.to(dtype)) if grams is None else grams.of(a, dtype)
+        return (a_gram * gram(g)).sum((1, 2))
+    return torch.einsum("bto,bti->boi", g, a.to(dtype)).pow(2).sum((1, 2))
 
 
 def bias_sq_norms(g: torch.Tensor) -> torch.Tensor:
@@ -34,7 +36,7 @@ def bias_clipped_sum(module: nn.Module, x: torch.Tensor, g: torch.Tensor, c: tor
     return c.to(per_sample.dtype) @ per_sample
 
 
-BIAS = ParamRole("bias", lambda m, x, g: bias_sq_norms(g), bias_clipped_sum)
+BIAS = ParamRole("bias", lambda m, x, g, grams: bias_sq_norms(g), bias_clipped_sum)
 
 
 @register_norm_rule(nn.Linear)
@@ -43,7 +45,7 @@ class LinearRule(NormRule):
 
     name = "Linear"
     roles = (
-        ParamRole("weight", lambda m, x, g: linear_sq_norms(x, g), lambda m, x, g, c: outer_sum(g, x, c)),
+        ParamRole("weight", lambda m, x, g, grams: linear_sq_norms(x, g, grams), lambda m, x, g, c: outer_sum(g, x, c)),
         BIAS,
     )
 

@@ -34,7 +34,7 @@ def rms_hat(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
 @register_norm_rule(nn.RMSNorm, matches=is_named_rmsnorm)
 class RMSNormRule(NormRule):
     name = "RMSNorm"
-    roles = (ParamRole("weight", lambda m, x, g: rmsnorm_sq_norms(x, g, rms_eps(m, x)), scaled_sum(rms_hat)),)
+    roles = (ParamRole("weight", lambda m, x, g, grams: rmsnorm_sq_norms(x, g, rms_eps(m, x)), scaled_sum(rms_hat)),)
 
     def reference(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return (module.weight * rms_hat(module, x)).to(x.dtype)
