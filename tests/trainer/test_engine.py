@@ -190,6 +190,18 @@ def test_layers_reading_one_input_share_its_gram(monkeypatch, tied, shared, alon
     assert len(computed) == alone
 
 
+def test_small_per_sample_gradients_are_computed_once(monkeypatch):
+    """RMSNorm weights' per-sample gradients ``[B, d]`` serve both the norms and the clipped sum:
+    one computation per RMSNorm (2 layers x 2 + the final one), not one for each."""
+    from vllm_dp_plugin.trainer.norm_rules import rmsnorm
+
+    calls = []
+    counted = rmsnorm.rmsnorm_grads
+    monkeypatch.setattr(rmsnorm, "rmsnorm_grads", lambda *a: calls.append(1) or counted(*a))
+    engine_step(llama(), DPConfig(noise_multiplier=0.0, expected_batch_size=BATCH), [make_batch()])
+    assert len(calls) == 5
+
+
 def test_virtual_batches_equal_one_batch():
     """Two half batches accumulate into the same noisy step as the full batch (same seed: the
     noise is drawn once per step, not per virtual batch)."""

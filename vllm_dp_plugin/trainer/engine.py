@@ -62,7 +62,16 @@ from vllm_dp_plugin.privacy.keyed_noise import SEED_BYTES, fresh_generator, seed
 from vllm_dp_plugin.privacy.noise import GridGaussian
 from vllm_dp_plugin.privacy.validation import check_count, check_positive
 
-from .norm_rules import InputGrams, NormRule, ParamRole, find_rule, norm_dtype, supported_names
+from .norm_rules import (
+    InputGrams,
+    NormRule,
+    ParamRole,
+    find_rule,
+    norm_dtype,
+    sq_norms_of,
+    supported_names,
+    weighted_sum,
+)
 from .norm_rules.embedding import tied_embedding_sq_norms
 
 Clipping = Literal["automatic", "flat"]
@@ -136,12 +145,25 @@ class _Call:
 
 @dataclass
 class _Use:
-    """One use of a trainable parameter in the current forward, batch-first ``[B, T, ...]``."""
+    """One use of a trainable parameter in the current forward, batch-first ``[B, T, ...]``;
+    ``per_sample [B, *shape]``: its per-sample gradients where the role has small ones, computed
+    once for both the norms and the clipped sum."""
 
     module: nn.Module
     role: ParamRole
     x: torch.Tensor
     g: torch.Tensor
+    per_sample: torch.Tensor | None = None
+
+    def sq_norms(self, grams: InputGrams) -> torch.Tensor:
+        if self.per_sample is not None:
+            return sq_norms_of(self.per_sample)
+        return self.role.sq_norms(self.module, self.x, self.g, grams)
+
+    def clipped_sum(self, c: torch.Tensor) -> torch.Tensor:
+        if self.per_sample is not None:
+            return weighted_sum(self.per_sample, c)
+        return self.role.clipped_sum(self.module, self.x, self.g, c)
 
 
 def _supported_modules(model: nn.Module) -> dict[nn.Module, NormRule]:
@@ -212,8 +234,7 @@ def _param_sq_norms(uses: list[_Use], grams: InputGrams) -> torch.Tensor:
     or the tied lookup + output pair (Phantom Clipping, cross term included). ``grams``: the
     backward's input Grams, shared between layers reading the same input."""
     if len(uses) == 1:
-        use = uses[0]
-        return use.role.sq_norms(use.module, use.x, use.g, grams)
+        return uses[0].sq_norms(grams)
     lookup = next(u for u in uses if isinstance(u.module, nn.Embedding))
     output = next(u for u in uses if u is not lookup)
     return tied_embedding_sq_norms(lookup.x, lookup.g, output.x, output.g, lookup.module.padding_idx)
@@ -270,7 +291,7 @@ class DPEngine:
         factors = self._clip_factors(sample_norms)
         for param, param_uses in uses.items():
             for use in param_uses:
-                total = use.role.clipped_sum(use.module, use.x, use.g, factors)
+                total = use.clipped_sum(factors)
                 self._sums[param] = total if param not in self._sums else self._sums[param] + total
         return sample_norms
 
@@ -364,7 +385,8 @@ class DPEngine:
             for role in call.rule.roles:
                 param = getattr(call.module, role.attr)
                 if param is not None and param.requires_grad:
-                    uses.setdefault(param, []).append(_Use(call.module, role, x, g))
+                    per_sample = None if role.per_sample is None else role.per_sample(call.module, x, g)
+                    uses.setdefault(param, []).append(_Use(call.module, role, x, g, per_sample))
         return uses
 
     def _sq_norms(self, uses: dict[nn.Parameter, list[_Use]], loss: torch.Tensor) -> torch.Tensor:

@@ -22,10 +22,13 @@ from .base import (
     find_rule,
     gram,
     norm_dtype,
+    per_sample_role,
     register_norm_rule,
     registered_rules,
     rule_for,
+    sq_norms_of,
     supported_names,
+    weighted_sum,
 )
 from .embedding import lookup_sq_norms, tied_embedding_sq_norms
 from .layernorm import layernorm_sq_norms
@@ -43,10 +46,13 @@ __all__ = [
     "linear_sq_norms",
     "lookup_sq_norms",
     "norm_dtype",
+    "per_sample_role",
     "register_norm_rule",
     "registered_rules",
     "rmsnorm_sq_norms",
     "rule_for",
+    "sq_norms_of",
     "supported_names",
     "tied_embedding_sq_norms",
+    "weighted_sum",
 ]

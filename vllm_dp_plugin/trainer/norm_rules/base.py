@@ -24,15 +24,42 @@ SqNorms = Callable[[nn.Module, torch.Tensor, torch.Tensor, "InputGrams"], torch.
 ClippedSum = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+PerSample = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
 @dataclass(frozen=True)
 class ParamRole:
     """One parameter (attribute ``attr``) of a supported module: ``sq_norms(module, x, g, grams)``
     -> ``[B]`` (``grams``: the backward's ``InputGrams``, for rules that use ``x x^T``) and
-    ``clipped_sum(module, x, g, c)`` -> ``sum_b c_b dL_b/dparam``."""
+    ``clipped_sum(module, x, g, c)`` -> ``sum_b c_b dL_b/dparam``. ``per_sample(module, x, g)``
+    -> ``[B, *shape]``, only for parameters whose per-sample gradients are small (``per_sample_role``):
+    the engine then computes them once per use, for the norms and the clipped sum."""
 
     attr: str
     sq_norms: SqNorms
     clipped_sum: ClippedSum
+    per_sample: PerSample | None = None
+
+
+def sq_norms_of(per_sample: torch.Tensor) -> torch.Tensor:
+    """``[B, ...]`` per-sample gradients -> ``[B]`` squared norms."""
+    return per_sample.flatten(1).pow(2).sum(1)
+
+
+def weighted_sum(per_sample: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """``sum_b c_b per_sample_b``: the parameter's shape, from ``[B, ...]`` and ``c [B]``."""
+    return torch.einsum("b,b...->...", c.to(per_sample.dtype), per_sample)
+
+
+def per_sample_role(attr: str, grads: PerSample) -> ParamRole:
+    """A parameter with small per-sample gradients ``grads(module, x, g)``: ``[B, *shape]`` (a bias,
+    a norm layer's weight; float32 or wider): norms and clipped sum both from them."""
+    return ParamRole(
+        attr,
+        lambda m, x, g, grams: sq_norms_of(grads(m, x, g)),
+        lambda m, x, g, c: weighted_sum(grads(m, x, g), c),
+        grads,
+    )
 
 
 class NormRule:
@@ -180,13 +207,3 @@ def features(module: nn.Module, dim: int) -> torch.Tensor:
     weight = next(module.parameters())
     probe = torch.randn(2, 3, dim, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     return probe.to(device=weight.device, dtype=weight.dtype)
-
-
-def scaled_sum(hat: Callable[[nn.Module, torch.Tensor], torch.Tensor]) -> ClippedSum:
-    """Clipped sum of a norm layer's weight: ``sum_b c_b sum_t g_b,t * hat(x_b,t)``: ``[d]``."""
-
-    def clipped_sum(module: nn.Module, x: torch.Tensor, g: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-        h = hat(module, x)
-        return torch.einsum("b,btd->d", c.to(h.dtype), g.to(h.dtype) * h)
-
-    return clipped_sum

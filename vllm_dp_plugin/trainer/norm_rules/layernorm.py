@@ -6,34 +6,29 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import NormRule, ParamRole, features, norm_dtype, register_norm_rule, scaled_sum, wide
-from .linear import BIAS
+from .base import NormRule, features, norm_dtype, per_sample_role, register_norm_rule, sq_norms_of
+from .linear import BIAS, bias_sq_norms
+
+
+def layernorm_grads(x: torch.Tensor, g: torch.Tensor, eps: float) -> torch.Tensor:
+    """LayerNorm weight ``gamma`` over the last dim, per sample: ``g_gamma = sum_t g_t * xhat_t``:
+    ``[B, d]`` for ``x: [B, T, d]`` its input, ``g: [B, T, d]``."""
+    dtype = norm_dtype(x, g)
+    x, g = x.to(dtype), g.to(dtype)
+    return (g * F.layer_norm(x, x.shape[-1:], eps=eps)).sum(1)
 
 
 def layernorm_sq_norms(x: torch.Tensor, g: torch.Tensor, eps: float, bias: bool = True) -> torch.Tensor:
-    """LayerNorm affine ``(gamma, beta)`` over the last dim: ``x: [B, T, d]`` its input,
-    ``g: [B, T, d]``. ``g_gamma = sum_t g_t * xhat_t``, ``g_beta = sum_t g_t`` (``[B, d]``, cheap)."""
-    dtype = norm_dtype(x, g)
-    x, g = x.to(dtype), g.to(dtype)
-    xhat = F.layer_norm(x, x.shape[-1:], eps=eps)
-    out = (g * xhat).sum(1).pow(2).sum(-1)
-    return out + g.sum(1).pow(2).sum(-1) if bias else out
-
-
-def layernorm_hat(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    (x,) = wide(x)
-    return F.layer_norm(x, module.normalized_shape, eps=module.eps)
+    """``[B]``: LayerNorm affine ``(gamma, beta)`` (``g_beta = sum_t g_t``), or ``gamma`` alone."""
+    out = sq_norms_of(layernorm_grads(x, g, eps))
+    return out + bias_sq_norms(g) if bias else out
 
 
 @register_norm_rule(nn.LayerNorm)
 class LayerNormRule(NormRule):
     name = "LayerNorm"
     roles = (
-        ParamRole(
-            "weight",
-            lambda m, x, g, grams: layernorm_sq_norms(x, g, m.eps, bias=False),
-            scaled_sum(layernorm_hat),
-        ),
+        per_sample_role("weight", lambda m, x, g: layernorm_grads(x, g, m.eps)),
         BIAS,
     )
 

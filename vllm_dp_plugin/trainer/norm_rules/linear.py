@@ -7,7 +7,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import InputGrams, NormRule, ParamRole, features, gram, norm_dtype, outer_sum, register_norm_rule
+from .base import (
+    InputGrams,
+    NormRule,
+    ParamRole,
+    features,
+    gram,
+    norm_dtype,
+    outer_sum,
+    per_sample_role,
+    register_norm_rule,
+    sq_norms_of,
+)
 
 
 def linear_sq_norms(a: torch.Tensor, g: torch.Tensor, grams: InputGrams | None = None) -> torch.Tensor:
@@ -25,18 +36,17 @@ def linear_sq_norms(a: torch.Tensor, g: torch.Tensor, grams: InputGrams | None =
     return torch.einsum("bto,bti->boi", g, a.to(dtype)).pow(2).sum((1, 2))
 
 
+def bias_grads(g: torch.Tensor) -> torch.Tensor:
+    """Bias of an affine layer, per sample: ``sum_t g_t``: ``[B, d_out]`` for ``g: [B, T, d_out]``."""
+    return g.sum(1, dtype=norm_dtype(g))
+
+
 def bias_sq_norms(g: torch.Tensor) -> torch.Tensor:
-    """Bias of a linear layer: ``||sum_t g_t||^2``; ``g: [B, T, d_out]``."""
-    return g.to(norm_dtype(g)).sum(1).pow(2).sum(-1)
+    """``[B]``: ``||sum_t g_t||^2``."""
+    return sq_norms_of(bias_grads(g))
 
 
-def bias_clipped_sum(module: nn.Module, x: torch.Tensor, g: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """``sum_b c_b sum_t g_b,t``: ``[d_out]``."""
-    per_sample = g.sum(1, dtype=norm_dtype(g))
-    return c.to(per_sample.dtype) @ per_sample
-
-
-BIAS = ParamRole("bias", lambda m, x, g, grams: bias_sq_norms(g), bias_clipped_sum)
+BIAS = per_sample_role("bias", lambda m, x, g: bias_grads(g))
 
 
 @register_norm_rule(nn.Linear)

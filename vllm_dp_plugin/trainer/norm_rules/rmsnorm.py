@@ -6,15 +6,29 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .base import NormRule, ParamRole, features, norm_dtype, register_norm_rule, scaled_sum, wide
+from .base import (
+    NormRule,
+    features,
+    norm_dtype,
+    per_sample_role,
+    register_norm_rule,
+    sq_norms_of,
+    wide,
+)
+
+
+def rmsnorm_grads(x: torch.Tensor, g: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm weight (Llama), per sample: ``g_gamma = sum_t g_t * x_t / rms(x_t)``: ``[B, d]``
+    for ``x, g: [B, T, d]``."""
+    dtype = norm_dtype(x, g)
+    x, g = x.to(dtype), g.to(dtype)
+    inv_rms = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)  # [B, T, 1]
+    return ((g * x).transpose(1, 2) @ inv_rms).squeeze(-1)
 
 
 def rmsnorm_sq_norms(x: torch.Tensor, g: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm weight (Llama): ``g_gamma = sum_t g_t * x_t / rms(x_t)``; ``x, g: [B, T, d]``."""
-    dtype = norm_dtype(x, g)
-    x, g = x.to(dtype), g.to(dtype)
-    normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return (g * normed).sum(1).pow(2).sum(-1)
+    """``[B]`` squared norms of ``rmsnorm_grads``."""
+    return sq_norms_of(rmsnorm_grads(x, g, eps))
 
 
 def is_named_rmsnorm(module: nn.Module) -> bool:
@@ -34,7 +48,7 @@ def rms_hat(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
 @register_norm_rule(nn.RMSNorm, matches=is_named_rmsnorm)
 class RMSNormRule(NormRule):
     name = "RMSNorm"
-    roles = (ParamRole("weight", lambda m, x, g, grams: rmsnorm_sq_norms(x, g, rms_eps(m, x)), scaled_sum(rms_hat)),)
+    roles = (per_sample_role("weight", lambda m, x, g: rmsnorm_grads(x, g, rms_eps(m, x))),)
 
     def reference(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return (module.weight * rms_hat(module, x)).to(x.dtype)
