@@ -11,16 +11,20 @@ import time
 import torch
 
 torch.set_num_threads(2)
-import vllm_dp_plugin.trainer.engine as E  # noqa: E402
-import vllm_dp_plugin.trainer.norm_rules.base as BASE  # noqa: E402
-import vllm_dp_plugin.trainer.norm_rules.embedding as EM  # noqa: E402
-import vllm_dp_plugin.trainer.norm_rules.linear as L  # noqa: E402
-import vllm_dp_plugin.trainer.norm_rules.rmsnorm as R  # noqa: E402
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook  # noqa: E402
-from vllm_dp_plugin.benchmarks.lib.scenarios import resolve_model  # noqa: E402
-from vllm_dp_plugin.benchmarks.train import _model_size  # noqa: E402
-from vllm_dp_plugin.benchmarks.train import spec as S  # noqa: E402
-from vllm_dp_plugin.benchmarks.train.methods import METHODS  # noqa: E402
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+
+import vllm_dp_plugin.trainer.engine as E
+import vllm_dp_plugin.trainer.norm_rules.base as BASE
+import vllm_dp_plugin.trainer.norm_rules.embedding as EM
+import vllm_dp_plugin.trainer.norm_rules.linear as L
+import vllm_dp_plugin.trainer.norm_rules.rmsnorm as R
+from vllm_dp_plugin.benchmarks.lib.scenarios import resolve_model
+from vllm_dp_plugin.benchmarks.train import _model_size
+from vllm_dp_plugin.benchmarks.train import spec as S
+from vllm_dp_plugin.benchmarks.train.methods import METHODS
 
 acc, cnt = collections.defaultdict(float), collections.Counter()
 
@@ -81,5 +85,6 @@ step()
 total = time.perf_counter() - t
 out = {"which": which, "code": E.__file__, "warmup_s": warm, "step_s": total, "phases_s": dict(acc), "calls": dict(cnt),
        "loadavg_before": load, "loadavg_after": os.getloadavg()}
-json.dump(out, open(out_path, "w"), indent=1)
+with open(out_path, "w") as f:
+    json.dump(out, f, indent=1)
 print(json.dumps(out, indent=1))
