@@ -193,14 +193,14 @@ def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
     device = device_label(default_device())  # the device vLLM serves on
     command = "vllm-dp bench context" + ("" if argv is None else " " + " ".join(argv))
     if args.speed and args.sweep:
-        if rows != ["aggregate_answer"]:
-            raise SystemExit("--sweep measures --rows aggregate_answer (against full)")
+        if not rows or set(rows) - {"full", "aggregate_answer"}:
+            raise SystemExit("--sweep measures --rows aggregate_answer and full (either alone: one timed run each)")
         levels = [int(c) for c in args.sweep.split(",") if c]
-        measured = answer_sweep(model, work, args.cache_dir, levels, eps[0], max_tokens)
+        measured = answer_sweep(model, work, args.cache_dir, levels, eps[0], max_tokens, rows=rows)
         data = {"model": model, "device": device, "date": date, "command": command.strip(), "eps": eps[0],
                 "mechanism": "answer", "repeats": SWEEP_REPEATS, "rows": measured,
                 "platform": platform.platform(), "wall_s": time.perf_counter() - started}
-        stem = args.out / f"context-answer-sweep-{device}-{date}"
+        stem = args.out / f"context-answer-sweep-{'-'.join(rows)}-{device}-{date}"
         write_json(suffixed(stem, ".json"), data, indent=1)
         write_text(suffixed(stem, ".md"), sweep_markdown(data))
         print(suffixed(stem, ".md").read_text())
