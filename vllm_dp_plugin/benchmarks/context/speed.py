@@ -215,13 +215,14 @@ def sweep_markdown(data: dict) -> str:
               f"`aggregate_answer` at eps = {data['eps']:g} per query (one member per document); both on the same "
               "engine settings (KV cache for 16 full requests); max(4, c) questions per measurement with c in "
               f"flight, no prompt asked twice, {data['repeats']} repeats, median."), "",
-             "| in flight | full answers/s | aggregate_answer answers/s | aggregate / full | correct (full, aggregate) |",
-             "|---|---|---|---|---|"]
+             "| in flight | full answers/s | aggregate_answer answers/s | aggregate / full | correct (full, aggregate) "
+             "| each repeat (full; aggregate) |", "|---|---|---|---|---|---|"]
     by = {(r["row"], r["in_flight"]): r for r in data["rows"]}
     for c in sorted({r["in_flight"] for r in data["rows"]}):
         f, a = by.get(("full", c)), by.get(("aggregate_answer", c))
         ratio = f"{a['answers_per_s'] / f['answers_per_s']:.2f}" if f and a else ""
         cells = [f"{x['answers_per_s']:.3f}" if x else "" for x in (f, a)]
         right = ", ".join(f"{x['correct']} of {x['asked']}" if x else "-" for x in (f, a))
-        lines.append(f"| {c} | {cells[0]} | {cells[1]} | {ratio} | {right} |")
+        each = "; ".join(", ".join(f"{v:.3f}" for v in x.get("answers_per_s_each", ())) if x else "-" for x in (f, a))
+        lines.append(f"| {c} | {cells[0]} | {cells[1]} | {ratio} | {right} | {each} |")
     return "\n".join(lines) + "\n"
