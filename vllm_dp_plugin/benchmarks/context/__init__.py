@@ -131,9 +131,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              f"answer of full and aggregate_answer over {', '.join(map(str, ANSWER_DOCUMENTS))} "
                              "documents")
     parser.add_argument("--sweep", metavar="LEVELS",
-                        help="with --speed --rows aggregate_answer: answers/s of full and aggregate_answer at each of "
-                             f"these numbers of questions in flight (comma-separated, e.g. 1,4,16), {SWEEP_REPEATS} "
-                             "repeats, median, on generated collections")
+                        help="with --speed and --rows full, aggregate_answer or both: answers/s at each of these "
+                             f"numbers of questions in flight (comma-separated, e.g. 1,4,16), {SWEEP_REPEATS} "
+                             "repeats, median, on generated collections (one locked timed run per row)")
     parser.add_argument("--make-scenarios", type=Path, metavar="OUT",
                         help="write --count generated scenarios (seed --seed) to OUT and exit")
     parser.add_argument("--count", type=int, default=24, help="scenarios to generate (--make-scenarios)")
