@@ -88,7 +88,6 @@ async def run(args) -> None:
     engine_args = AsyncEngineArgs(model=args.model, dtype="float32", block_size=32, enforce_eager=True, seed=0,
                                   max_model_len=max_len, kv_cache_memory_bytes=kv, disable_log_stats=False, **extra)
     engine = AsyncLLM.from_engine_args(engine_args, stat_loggers=[Recorder])
-    tokenizer = engine.tokenizer if hasattr(engine, "tokenizer") else layout.tokenizer
     contexts = {}
     for s in scenarios:
         path = work / f"{s['id']}.jsonl"
@@ -126,9 +125,9 @@ async def run(args) -> None:
             n = len(jobs[(c, 0)])
             sem = asyncio.Semaphore(c)
 
-            async def bounded(job):
+            async def bounded(job, sem=sem, ask=kinds[row]):
                 async with sem:
-                    await kinds[row](job)
+                    await ask(job)
 
             del steps[:]
             tokens.update(dict.fromkeys(tokens, 0))

@@ -310,7 +310,12 @@ def test_the_answer_row_serves_mechanism_answer_and_its_speed_table_compares_wit
 
 
 def test_the_sweep_never_asks_a_prompt_twice_and_its_table_gives_the_ratio_to_full():
-    from vllm_dp_plugin.benchmarks.context.speed import SWEEP_DOCUMENTS, sweep_jobs, sweep_markdown, sweep_scenarios
+    from vllm_dp_plugin.benchmarks.context.speed import (
+        SWEEP_DOCUMENTS,
+        sweep_jobs,
+        sweep_markdown,
+        sweep_scenarios,
+    )
 
     scenarios = sweep_scenarios()
     assert all(len(s["documents"]) == SWEEP_DOCUMENTS for s in scenarios)

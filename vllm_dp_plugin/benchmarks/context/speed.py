@@ -208,15 +208,15 @@ def answer_sweep(model: str, work: Path, cache_dir: Path, levels: Sequence[int],
 
 
 def sweep_markdown(data: dict) -> str:
-    lines = [f"# Answer-level aggregation throughput under concurrency ({data['model']}, {data['device']}, "
-             f"{data['date']})", "",
+    lines = [(f"# Answer-level aggregation throughput under concurrency ({data['model']}, {data['device']}, "
+              f"{data['date']})"), "",
              (f"`{data['command']}`; {SWEEP_SCENARIOS} generated collections (seed {ANSWER_SPEED_SEED}) of "
               f"{SWEEP_DOCUMENTS} documents; `full`: stock vLLM with the documents as plain prompt; "
               f"`aggregate_answer` at eps = {data['eps']:g} per query (one member per document); both on the same "
               "engine settings (KV cache for 16 full requests); max(4, c) questions per measurement with c in "
               f"flight, no prompt asked twice, {data['repeats']} repeats, median."), "",
-             "| in flight | full answers/s | aggregate_answer answers/s | aggregate / full | correct (full, aggregate) "
-             "| each repeat (full; aggregate) |", "|---|---|---|---|---|---|"]
+             ("| in flight | full answers/s | aggregate_answer answers/s | aggregate / full | correct (full, aggregate) "
+              "| each repeat (full; aggregate) |"), "|---|---|---|---|---|---|"]
     by = {(r["row"], r["in_flight"]): r for r in data["rows"]}
     for c in sorted({r["in_flight"] for r in data["rows"]}):
         f, a = by.get(("full", c)), by.get(("aggregate_answer", c))
