@@ -307,3 +307,26 @@ def test_the_answer_row_serves_mechanism_answer_and_its_speed_table_compares_wit
     text = answer_speed_markdown({"model": "m", "device": "cpu", "date": "d", "command": "c", "eps": 4.0,
                                         "rows": rows})
     assert "| 21 | aggregate_answer | 2.50 | 2.5 | 4 of 7 |" in text and "| 200 | full | does not fit |" in text
+
+
+def test_the_sweep_never_asks_a_prompt_twice_and_its_table_gives_the_ratio_to_full():
+    from vllm_dp_plugin.benchmarks.context.speed import (
+        SWEEP_DOCUMENTS,
+        sweep_jobs,
+        sweep_markdown,
+        sweep_scenarios,
+    )
+
+    scenarios = sweep_scenarios()
+    assert all(len(s["documents"]) == SWEEP_DOCUMENTS for s in scenarios)
+    jobs = sweep_jobs(scenarios, (1, 4, 16), 3)
+    asked = [(s["id"], q["q"]) for batch in jobs.values() for s, q in batch]
+    assert len(asked) == len(set(asked)) == 3 + 3 * (4 + 4 + 16)  # a repeat would be a whole-prompt cache hit
+    assert len({s["id"] for s, _ in jobs[(4, 0)]}) == 3  # round-robin over the collections
+    rows = [{"row": "full", "in_flight": 16, "answers_per_s": 2.0, "correct": 30, "asked": 48,
+             "answers_per_s_each": [2.0, 1.0, 3.0]},
+            {"row": "aggregate_answer", "in_flight": 16, "answers_per_s": 0.5, "correct": 20, "asked": 48,
+             "answers_per_s_each": [0.5, 0.5, 0.6]}]
+    text = sweep_markdown({"model": "m", "device": "cpu", "date": "d", "command": "c", "eps": 4.0, "repeats": 3,
+                           "rows": rows})
+    assert "| 16 | 2.000 | 0.500 | 0.25 | 30 of 48, 20 of 48 | 2.000, 1.000, 3.000; 0.500, 0.500, 0.600 |" in text

@@ -120,6 +120,45 @@ def test_answer_members_groups_documents_by_keyed_hash_into_a_public_number(tmp_
     assert svc.statement()["contexts"][0]["members"] == "4 by keyed hash"
 
 
+class CountingEngine(FakeEngine):
+    """FakeEngine that records how many sub-requests are in the engine at once."""
+
+    now = most = hold = 0  # sub-requests in the engine now, at most; how many a sub-request waits for (1 s at most)
+
+    async def generate(self, prompt, params, request_id):
+        self.now += 1
+        self.most = max(self.most, self.now)
+        try:
+            for _ in range(1000):  # a sub-request stays in the engine until `hold` are in (a step's batch)
+                if self.now >= self.hold:
+                    break
+                await asyncio.sleep(0.001)
+            async for out in super().generate(prompt, params, request_id):
+                yield out
+        finally:
+            self.now -= 1
+
+
+def test_the_members_of_one_query_and_of_concurrent_queries_are_in_the_engine_together(tmp_path, tokenizer):  # noqa: F811
+    """The engine gets every member of a query at once (one batch: `asyncio.gather`, no lock or
+    semaphore), and the members of queries in flight side by side; the public answer after its
+    query's members (the release needs them all)."""
+    engine = CountingEngine(len(tokenizer), MAX_MODEL_LEN, write=member_writer(tokenizer))
+    engine.hold = len(DOCS)
+    svc = service(tmp_path, tokenizer, DOCS, engine, mechanism="answer", max_tokens=16, answer_tokens=8)
+    ask(svc, INVENTORY)
+    assert engine.most == len(DOCS) and engine.now == 0
+
+    async def four():
+        body = {"messages": [{"role": "user", "content": INVENTORY}]}
+        return await asyncio.gather(*(svc.handle("/v1/chat/completions", body) for _ in range(4)))
+
+    engine.most, engine.hold = 0, 4 * len(DOCS)
+    replies = asyncio.run(four())
+    assert [r.status_code for r in replies] == [200] * 4 and engine.most == 4 * len(DOCS)
+    assert queries(svc) == 5
+
+
 def strip_query_ids(body: dict) -> dict:
     return {k: v for k, v in body.items() if k not in ("id", "created")}
 

@@ -77,10 +77,13 @@ from vllm_dp_plugin.benchmarks.context.running import Bench, jobs_of, run
 from vllm_dp_plugin.benchmarks.context.speed import (
     ANSWER_DOCUMENTS,
     SPEED_MEMBERS,
+    SWEEP_REPEATS,
     answer_speed,
     answer_speed_markdown,
+    answer_sweep,
     speed,
     speed_markdown,
+    sweep_markdown,
 )
 from vllm_dp_plugin.benchmarks.lib.cli import DEFAULT_OUT, parse, today
 from vllm_dp_plugin.benchmarks.lib.environment import default_device, device_label
@@ -127,6 +130,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "at a time, and throughput at --concurrency; with --rows aggregate_answer: seconds per "
                              f"answer of full and aggregate_answer over {', '.join(map(str, ANSWER_DOCUMENTS))} "
                              "documents")
+    parser.add_argument("--sweep", metavar="LEVELS",
+                        help="with --speed and --rows full, aggregate_answer or both: answers/s at each of these "
+                             f"numbers of questions in flight (comma-separated, e.g. 1,4,16), {SWEEP_REPEATS} "
+                             "repeats, median, on generated collections (one locked timed run per row)")
     parser.add_argument("--make-scenarios", type=Path, metavar="OUT",
                         help="write --count generated scenarios (seed --seed) to OUT and exit")
     parser.add_argument("--count", type=int, default=24, help="scenarios to generate (--make-scenarios)")
@@ -185,6 +192,20 @@ def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
     date = today()
     device = device_label(default_device())  # the device vLLM serves on
     command = "vllm-dp bench context" + ("" if argv is None else " " + " ".join(argv))
+    if args.speed and args.sweep:
+        if not rows or set(rows) - {"full", "aggregate_answer"}:
+            raise SystemExit("--sweep measures --rows aggregate_answer and full (either alone: one timed run each)")
+        levels = [int(c) for c in args.sweep.split(",") if c]
+        measured = answer_sweep(model, work, args.cache_dir, levels, eps[0], max_tokens, rows=rows)
+        data = {"model": model, "device": device, "date": date, "command": command.strip(), "eps": eps[0],
+                "mechanism": "answer", "repeats": SWEEP_REPEATS, "rows": measured,
+                "platform": platform.platform(), "wall_s": time.perf_counter() - started}
+        stem = args.out / f"context-answer-sweep-{'-'.join(rows)}-{device}-{date}"
+        write_json(suffixed(stem, ".json"), data, indent=1)
+        write_text(suffixed(stem, ".md"), sweep_markdown(data))
+        print(suffixed(stem, ".md").read_text())
+        shutil.rmtree(work, ignore_errors=True)
+        return 0
     if args.speed:
         answer = rows == ["aggregate_answer"]
         measured = (answer_speed(model, work, args.cache_dir, ANSWER_DOCUMENTS, eps[0], max_tokens) if answer

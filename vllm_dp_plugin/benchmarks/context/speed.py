@@ -73,6 +73,16 @@ def speed(bench: Bench, members: Sequence[int], eps: float, mechanism: str = "vo
 
 ANSWER_DOCUMENTS = (21, 50, 200)  # --speed --rows aggregate_answer: collection sizes
 ANSWER_SPEED_SEED = 7  # their scenarios (generated, not the bundled ones)
+SWEEP_LEVELS = (1, 4, 16)  # --sweep: queries in flight
+SWEEP_DOCUMENTS = 21  # documents per collection of the sweep (answer_speed's smallest size)
+SWEEP_SCENARIOS = 3  # generated collections of the sweep (seed ANSWER_SPEED_SEED): 21 questions
+SWEEP_REPEATS = 3
+
+
+def sweep_scenarios(count: int = SWEEP_SCENARIOS, documents: int = SWEEP_DOCUMENTS) -> list[dict]:
+    """The sweep's generated scenarios (seed ``ANSWER_SPEED_SEED``), ``documents`` documents each."""
+    rng = random.Random(ANSWER_SPEED_SEED)
+    return [make_scenario(rng, i, extra_docs=documents - max(SUPPORTS)) for i in range(count)]
 
 
 def answer_speed(model: str, work: Path, cache_dir: Path, counts: Sequence[int], eps: float, max_tokens: int,
@@ -126,4 +136,93 @@ def speed_markdown(data: dict) -> str:
     for r in data["rows"]:
         tps = f"{r['tokens_per_s']:.1f}" if "tokens_per_s" in r else ""
         lines.append(f"| {r['setting']} | {r['s_per_token']:.3f} | {r['ratio_to_stock']:.2f} | {r['tokens']} | {tps} |")
+    return "\n".join(lines) + "\n"
+
+
+# --sweep: a preamble per measurement so that no prompt repeats (a repeated prompt would be served
+# from the prefix cache whole, stock and members alike); public text, the same for both rows
+PREAMBLES = ("", "Question: ", "Please answer: ", "Tell me: ", "I would like to know: ", "Quick question: ",
+             "One more question: ", "Can you tell me? ", "Help me with this: ", "I wonder: ", "Answer this: ")
+
+
+def sweep_jobs(scenarios: Sequence[dict], levels: Sequence[int], repeats: int) -> dict[tuple[int, int], list]:
+    """(in flight, repeat) -> its questions: ``max(4, c)`` (scenario, question) pairs, round-robin over the
+    scenarios, each question under a preamble no other measurement uses with it (the first pairs,
+    preamble "", are the warm-up's)."""
+    base = [(s, q) for i in range(max(len(s["questions"]) for s in scenarios)) for s in scenarios
+            for q in s["questions"][i:i + 1]]
+    pairs = iter([(s, {**q, "q": p + q["q"]}) for p in PREAMBLES for s, q in base])
+    warm = [next(pairs) for _ in scenarios]
+    out = {(0, 0): warm}
+    for c in levels:
+        for r in range(repeats):
+            out[(c, r)] = [next(pairs) for _ in range(max(4, c))]  # StopIteration: add preambles
+    return out
+
+
+def answer_sweep(model: str, work: Path, cache_dir: Path, levels: Sequence[int], eps: float, max_tokens: int,
+                 repeats: int = SWEEP_REPEATS, rows: Sequence[str] = ("full", "aggregate_answer"),
+                 log=print) -> list[dict]:
+    """Answers per second with ``c`` questions in flight (each of ``levels``; ``max(4, c)`` questions,
+    ``repeats`` times, median) of ``full`` (stock vLLM, the whole context as plain prompt) and
+    ``aggregate_answer`` at ``eps`` (one member per document), on the same engine settings (a KV
+    cache for ``max(levels)`` full requests) and the same questions: ``SWEEP_SCENARIOS`` generated
+    collections of ``SWEEP_DOCUMENTS`` documents, after a warm-up question per collection (the
+    documents' prefixes cached, as in a running server); no prompt is asked twice."""
+    from statistics import median
+
+    from vllm_dp_plugin.benchmarks.lib.scenarios import is_correct
+
+    scenarios = sweep_scenarios()
+    bench = Bench(model, scenarios, work / "sweep", cache_dir, max_tokens, concurrency=max(levels))
+    bench.work.mkdir(exist_ok=True)
+    layout = bench.layout()
+    jobs = sweep_jobs(scenarios, levels, repeats)
+    out = []
+    for name in rows:
+        row, e = ROWS[name], (eps if ROWS[name].private else None)
+
+        def one(job, row=row):
+            s, q = job
+            text = server.complete(bench.model, row.request(layout, s, q), bench.max_tokens)["choices"][0]["text"]
+            return is_correct(text, q["answers"])
+
+        with RunningServer(row.server(bench, e, scenarios), bench.work / f"sweep-{name}.log") as server:
+            with ThreadPoolExecutor(len(scenarios)) as pool:
+                list(pool.map(one, jobs[(0, 0)]))  # warm-up
+            for c in levels:
+                rates, correct = [], 0
+                for r in range(repeats):
+                    start = time.perf_counter()
+                    with ThreadPoolExecutor(c) as pool:
+                        right = list(pool.map(one, jobs[(c, r)]))
+                    rates.append(len(right) / (time.perf_counter() - start))
+                    correct += sum(right)
+                n = len(jobs[(c, 0)])
+                out.append({"row": name, "eps": e, "in_flight": c, "answers": n, "repeats": repeats,
+                            "answers_per_s": median(rates), "answers_per_s_each": rates,
+                            "correct": correct, "asked": n * repeats})
+                log(f"vllm-dp bench context --speed --sweep: {name}, {c} in flight: {median(rates):.3f} answers/s "
+                    f"(median of {', '.join(f'{x:.3f}' for x in rates)}), {correct} of {n * repeats} correct")
+    return out
+
+
+def sweep_markdown(data: dict) -> str:
+    lines = [(f"# Answer-level aggregation throughput under concurrency ({data['model']}, {data['device']}, "
+              f"{data['date']})"), "",
+             (f"`{data['command']}`; {SWEEP_SCENARIOS} generated collections (seed {ANSWER_SPEED_SEED}) of "
+              f"{SWEEP_DOCUMENTS} documents; `full`: stock vLLM with the documents as plain prompt; "
+              f"`aggregate_answer` at eps = {data['eps']:g} per query (one member per document); both on the same "
+              "engine settings (KV cache for 16 full requests); max(4, c) questions per measurement with c in "
+              f"flight, no prompt asked twice, {data['repeats']} repeats, median."), "",
+             ("| in flight | full answers/s | aggregate_answer answers/s | aggregate / full | correct (full, aggregate) "
+              "| each repeat (full; aggregate) |"), "|---|---|---|---|---|---|"]
+    by = {(r["row"], r["in_flight"]): r for r in data["rows"]}
+    for c in sorted({r["in_flight"] for r in data["rows"]}):
+        f, a = by.get(("full", c)), by.get(("aggregate_answer", c))
+        ratio = f"{a['answers_per_s'] / f['answers_per_s']:.2f}" if f and a else ""
+        cells = [f"{x['answers_per_s']:.3f}" if x else "" for x in (f, a)]
+        right = ", ".join(f"{x['correct']} of {x['asked']}" if x else "-" for x in (f, a))
+        each = "; ".join(", ".join(f"{v:.3f}" for v in x.get("answers_per_s_each", ())) if x else "-" for x in (f, a))
+        lines.append(f"| {c} | {cells[0]} | {cells[1]} | {ratio} | {right} | {each} |")
     return "\n".join(lines) + "\n"
