@@ -5,8 +5,8 @@ records the scheduler's running / waiting counts and KV cache use at every engin
 ``vllm:num_requests_running`` and the "Running: N reqs, Waiting: M" log line show; the DP server
 closes both, so they are read here, in a profiling process, from generated scenarios only).
 
-    PYTHONPATH=. python benchmarks/profile_aggregate_admission.py --levels 1,4,16 --out /tmp/adm.json
-    py-spy record -o /tmp/adm.svg --subprocesses -- python benchmarks/profile_aggregate_admission.py ...
+    PYTHONPATH=. python benchmarks/profiles/aggregate_admission.py --levels 1,4,16 --out /tmp/adm.json
+    py-spy record -o /tmp/adm.svg --subprocesses -- python benchmarks/profiles/aggregate_admission.py ...
 """
 
 from __future__ import annotations
