@@ -12,6 +12,7 @@
                                                 privatize a text token by token, show the receipt
     vllm-dp bench attention [options]           DP attention vs exact attention benchmark
     vllm-dp bench serve [options]               serving throughput/latency with DP on and off
+    vllm-dp bench decode-step [options]         DP attention's layer path per decode step, engine-free (profile)
     vllm-dp bench prompt [options]              prompt privatization utility vs eps (MiniLM)
     vllm-dp bench prompt-answers [options]      (= bench prompt --answers) answer accuracy on privatized questions
     vllm-dp bench prompt-ttft [options]         prompt privatization overhead on vLLM TTFT
@@ -45,6 +46,7 @@ PRIVATIZE_EXAMPLE = ("vllm-dp privatize --mechanism trlap_corrected --eps 10 --m
 BENCH_SUITES = {  # `vllm-dp bench SUITE` -> (module in vllm_dp_plugin.benchmarks, help)
     "attention": ("attention", "DP cross-attention (state, tree) vs exact attention: accuracy, real heads, speed"),
     "serve": ("serve", "vLLM bench throughput/serve: stock vs plugin loaded vs DP state/tree"),
+    "decode-step": ("decode_step", "DP attention's serving path for one decode step, engine-free: CPU ms and profile"),
     "prompt": ("prompt", "prompt privatization: token preservation and sentence cosine vs eps, true delta"),
     "prompt-answers": ("prompt_answers", "prompt privatization: answer accuracy of SmolLM2 on privatized questions vs eps"),
     "prompt-ttft": ("prompt_ttft", "prompt privatization: overhead on vLLM time to first token"),

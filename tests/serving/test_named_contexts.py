@@ -242,6 +242,7 @@ def test_public_head_rows_never_enter_a_release_and_private_rows_are_numbered_af
 
 def test_each_public_query_is_answered_from_its_own_context_release_only():
     from vllm_dp_plugin.attention.merge import AttentionPart
+    from vllm_dp_plugin.serving.backend import ContextGroups
 
     class Release:
         open = True
@@ -257,18 +258,18 @@ def test_each_public_query_is_answered_from_its_own_context_release_only():
     impl._private_layer = lambda layer, c: Release(c)
     q = torch.arange(5.0)[:, None, None].expand(5, 2, 3)
     owner = torch.tensor([2, 0, 2, 1, 0])
-    part = impl._dp_part(None, q, owner)
+    part = impl._dp_part(None, q, ContextGroups.of(owner))
     assert part.out[:, :, 0].tolist() == [owner.float().tolist()] * 2
     assert part.lse.tolist() == [(torch.arange(5.0) + 100 * owner).tolist()] * 2
-    assert impl._dp_part(None, q, torch.zeros(5, dtype=torch.long)).out.unique().tolist() == [0.0]
+    assert impl._dp_part(None, q, ContextGroups.of(torch.zeros(5, dtype=torch.long))).out.unique().tolist() == [0.0]
 
     closed = Release(1)
     closed.open = False
     impl._private_layer = lambda layer, c: closed if c == 1 else Release(c)
-    part = impl._dp_part(None, q, owner)  # context 1's layer is gated: its query gets weight 0
+    part = impl._dp_part(None, q, ContextGroups.of(owner))  # context 1's layer is gated: its query gets weight 0
     assert part.lse[:, 3].tolist() == [float("-inf")] * 2 and part.out[:, 3].abs().sum() == 0
     assert part.lse[:, [0, 1, 2, 4]].isfinite().all()
-    assert impl._dp_part(None, q, torch.ones(5, dtype=torch.long)) is None  # all closed: no DP part
+    assert impl._dp_part(None, q, ContextGroups.of(torch.ones(5, dtype=torch.long))) is None  # all closed: no DP part
 
 
 # ----------------------------------------------------------------------------- request options
@@ -496,3 +497,24 @@ def test_contexts_out_of_regime_are_not_served_at_all(demo_model, tmp_path):
     assert all(c["releases"] == 0 and c["regime"].startswith("out of regime") for c in payload["contexts"])
     opened = vllm_config(demo_model, two_contexts(tmp_path))  # gate off
     assert settings.serves_private_contexts(opened) and not settings.contexts_out_of_regime(opened)
+
+
+def test_a_decode_step_finds_its_rows_once_for_every_layer(monkeypatch):
+    """The step's private rows and request indices are derived once per step (the layout is
+    shared by every layer), not once per layer: a decode step with no private row costs each
+    further layer a lookup. Two layers, two K/V writes: one derivation."""
+    from types import SimpleNamespace
+
+    impl = decoder_impl((ctx("a", [1, 2, 3, 4]), ctx("c", [5, 6])))
+    layout = BatchLayout(torch.tensor([0, 1, 2]), torch.tensor([7, 5]), torch.tensor([6, 4]), torch.zeros(2, 1))
+    md = SimpleNamespace(dp_layout=layout, dp_contexts=BatchContexts(torch.tensor([0, 1]), torch.tensor([4, 2]),
+                                                                     torch.tensor([0, 0]), torch.tensor([4, 2])))
+    monkeypatch.setattr("vllm.forward_context.get_forward_context", lambda: SimpleNamespace(attn_metadata=md))
+    derived = []
+    monkeypatch.setattr(BatchLayout, "_request_of_tokens",
+                        lambda self: derived.append(1) or torch.repeat_interleave(torch.arange(2), torch.tensor([1, 1])))
+    key = torch.zeros(2, 1, 2)
+    for layer in (0, 1):
+        impl.do_kv_cache_update(SimpleNamespace(layer_name=f"model.layers.{layer}.self_attn.attn"), key, key, None,
+                                torch.arange(2))
+    assert impl.collected == {} and len(derived) == 1

@@ -13,12 +13,15 @@ offset ``p % bs``.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
 from .merge import AttentionPart
 
+T = TypeVar("T")
 CHUNK_ELEMENTS = 1 << 24  # cap on one chunk's [c, H_q, L, d]-sized intermediates (64 MiB in fp32)
 
 
@@ -43,20 +46,28 @@ class BatchLayout:
     def tokens(self, r: int) -> slice:
         return slice(int(self.query_start[r]), int(self.query_start[r + 1]))
 
+    def per_step(self, key: Hashable, build: Callable[[], T]) -> T:
+        """``build()``, computed once per ``key`` on this layout: vLLM builds one layout per step
+        and every layer reads it, so what depends on the step alone is not recomputed per layer."""
+        cache = self.__dict__.setdefault("_per_step", {})  # frozen: no setattr
+        if key not in cache:
+            cache[key] = build()
+        return cache[key]
+
     def request_of_tokens(self) -> torch.Tensor:
-        """``[T]``: the request index of every query token."""
+        """``[T]``: the request index of every query token (once per step)."""
+        return self.per_step("request_of_tokens", self._request_of_tokens)
+
+    def _request_of_tokens(self) -> torch.Tensor:
         counts = (self.query_start[1:] - self.query_start[:-1]).long()
         return torch.repeat_interleave(torch.arange(self.num_requests), counts)
 
     def public_queries(self, first_row: int | torch.Tensor) -> PublicQueries:
         """The step's tokens at positions >= their request's ``first_row`` (one for every request,
         or ``[B]``, one per request) and the rows their exact part reads; computed once per step
-        and shared by every layer (cached on this layout)."""
-        cache = self.__dict__.setdefault("_public_queries", {})  # frozen: no setattr
+        and shared by every layer."""
         key = first_row if isinstance(first_row, int) else tuple(first_row.tolist())
-        if key not in cache:
-            cache[key] = _public_queries(self, first_row)
-        return cache[key]
+        return self.per_step(("public_queries", key), lambda: _public_queries(self, first_row))
 
 
 @dataclass(frozen=True)

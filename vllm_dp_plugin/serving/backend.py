@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+from dataclasses import dataclass
 
 import torch
 from vllm.config import get_current_vllm_config
@@ -192,11 +193,10 @@ class DPImplMixin:
         md = md[layer.layer_name] if isinstance(md, dict) else md
         lay, contexts = md.dp_layout, md.dp_contexts
         n = key.shape[0]
-        positions, request = lay.positions[:n], lay.request_of_tokens()[:n]
-        owner = contexts.index[request]  # [n]: the context each row's request reads
-        private = (positions >= contexts.head[request]) & (positions < contexts.end[request])
-        if not bool(private.any()):
-            return
+        rows = lay.per_step(("private_rows", n), lambda: _private_rows(lay, contexts, n))
+        if rows is None:
+            return  # no private row in this step (every decode step): one lookup per layer
+        positions, owner, private = rows
         slots = slot_mapping[:n][private.to(slot_mapping.device)].cpu().long()
         self._private_slots = torch.unique(torch.cat([self._private_slots, slots]))
         for c, context in enumerate(self._contexts):
@@ -224,8 +224,9 @@ class DPImplMixin:
             return self._cross_forward(layer, query, key, value, attn_metadata, output)
         key_cache, value_cache = self._paged_kv(kv_cache, layer)
         contexts: BatchContexts = attn_metadata.dp_contexts
-        n = attn_metadata.dp_layout.positions.shape[0]
-        public = attn_metadata.dp_layout.public_queries(contexts.end)
+        lay = attn_metadata.dp_layout
+        n = lay.positions.shape[0]
+        public = lay.public_queries(contexts.end)
         if not public.everything:
             # A context's own prefill (once per context with prefix caching): the parent's
             # kernel gives the exact causal attention its private queries need (unit document:
@@ -233,17 +234,18 @@ class DPImplMixin:
             # this batch are overwritten below before anything reads them.
             super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
             if self._document_slot:
-                self._document_prefill(query, attn_metadata.dp_layout, contexts, key_cache, value_cache, output)
+                self._document_prefill(query, lay, contexts, key_cache, value_cache, output)
         if public.count:  # DP over [head_c, end_c) merged with exact over [0, head_c) and [end_c, p]
             on = _on(public.tokens, query)
             q = query[:n][on]
             parts = [self._exact(q, public, key_cache, value_cache)]
-            head = contexts.head[public.requests]  # [R]: all > 0 or all 0 (settings._private_contexts)
-            if bool((head > 0).all()):  # a few rows: torch ops (the fused kernel wants q_pos < end)
+            head = lay.per_step("public_head", lambda: _public_head(contexts, public))
+            if head is not None:  # a few rows: torch ops (the fused kernel wants q_pos < end)
                 rows = gather_spans(key_cache, value_cache, public.block_table, torch.zeros_like(head), head)
                 parts.append(causal_part(q, public.positions, public.span, rows, self.scale))
             parts = [AttentionPart(p.out.double(), p.lse.double()) for p in parts]
-            dp = self._dp_part(layer, q, contexts.index[public.requests][public.span])
+            groups = lay.per_step("context_groups", lambda: ContextGroups.of(contexts.index[public.requests][public.span]))
+            dp = self._dp_part(layer, q, groups)
             merged = merge_parts(*parts, *([] if dp is None else [dp]))
             rows = output[:n].view(n, self.num_heads, self.head_size)
             rows[on] = merged.out.transpose(0, 1).to(output.dtype)
@@ -274,22 +276,19 @@ class DPImplMixin:
         rows = output[:n].view(n, self.num_heads, self.head_size)
         rows[_on(mine, rows)] = merge_parts(*parts).out.transpose(0, 1).to(output.dtype)
 
-    def _dp_part(self, layer, q, owner: torch.Tensor) -> AttentionPart | None:
-        """DP part of the public queries ``q: [m, H_q, d]`` whose requests read the contexts
-        ``owner: [m]``, each answered from its own context's release only: ``out: [H_q, m, d]``,
+    def _dp_part(self, layer, q, groups: ContextGroups) -> AttentionPart | None:
+        """DP part of the public queries ``q: [m, H_q, d]`` grouped by the context their
+        requests read, each answered from its own context's release only: ``out: [H_q, m, d]``,
         ``lse: [H_q, m]`` (float64); a context whose layer the gate closed contributes nothing
         (weight 0); None when every context's layer is closed."""
-        contexts = torch.unique(owner).tolist()
-        dps = [self._private_layer(layer, c) for c in contexts]
+        dps = [self._private_layer(layer, c) for c in groups.contexts]
         if not any(dp.open for dp in dps):
             return None
-        if len(contexts) == 1:
+        if len(dps) == 1:
             return dps[0].answer(q)
-        picks = [torch.nonzero(owner == c).flatten() for c in contexts]  # each context's queries
-        parts = [_answer(dp, q[_on(pick, q)]) for dp, pick in zip(dps, picks, strict=True)]
-        back = torch.argsort(torch.cat(picks))  # grouped by context -> batch order
+        parts = [_answer(dp, q[_on(pick, q)]) for dp, pick in zip(dps, groups.picks, strict=True)]
         out, lse = torch.cat([p.out for p in parts], dim=1), torch.cat([p.lse for p in parts], dim=1)
-        return AttentionPart(out[:, _on(back, out)], lse[:, _on(back, lse)])
+        return AttentionPart(out[:, _on(groups.back, out)], lse[:, _on(groups.back, lse)])
 
     def _exact(self, q, public: PublicQueries, key_cache, value_cache) -> AttentionPart:
         """Exact causal attention of the public queries ``q: [m, H_q, d]`` over rows [P_c, p] of
@@ -358,6 +357,44 @@ class DPImplMixin:
             ident = context_id(self._encoder_inputs + exact)
             dp.release(self._key, ident)
             self._cross[int(lay.block_table[r, 0])] = dp
+
+
+def _private_rows(lay: BatchLayout, contexts: BatchContexts, n: int) -> tuple[torch.Tensor, ...] | None:
+    """The step's first ``n`` rows: ``positions, owner`` (the context each row's request reads)
+    and the ``private`` mask of the rows inside their request's private span ``[head, end)``,
+    all ``[n]``; None when no row is (every decode step)."""
+    positions, request = lay.positions[:n], lay.request_of_tokens()[:n]
+    private = (positions >= contexts.head[request]) & (positions < contexts.end[request])
+    if not bool(private.any()):
+        return None
+    return positions, contexts.index[request], private
+
+
+def _public_head(contexts: BatchContexts, public: PublicQueries) -> torch.Tensor | None:
+    """``[R]``: the public head length of the contexts the public queries' requests read, or None
+    when they have none (all > 0 or all 0: ``settings._private_contexts``)."""
+    head = contexts.head[public.requests]
+    return head if bool((head > 0).all()) else None
+
+
+@dataclass(frozen=True)
+class ContextGroups:
+    """A step's public queries grouped by the context their requests read: ``contexts`` (sorted
+    indices); with several, ``picks[i]: [m_i]`` the queries reading ``contexts[i]`` and ``back:
+    [m]`` the permutation from the grouped order to the batch order."""
+
+    contexts: list[int]
+    picks: list[torch.Tensor]
+    back: torch.Tensor | None
+
+    @classmethod
+    def of(cls, owner: torch.Tensor) -> ContextGroups:
+        """Grouping of queries whose requests read the contexts ``owner: [m]``."""
+        indices = torch.unique(owner).tolist()
+        if len(indices) == 1:
+            return cls(indices, [], None)
+        picks = [torch.nonzero(owner == c).flatten() for c in indices]
+        return cls(indices, picks, torch.argsort(torch.cat(picks)))
 
 
 def _answer(dp: PrivateContextLayer, q: torch.Tensor) -> AttentionPart:

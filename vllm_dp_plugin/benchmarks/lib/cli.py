@@ -32,6 +32,7 @@ EXAMPLES = {
     "attention-ladder": "vllm-dp bench attention-ladder --limit 1 --sizes '' --modes full,block,clustered64 --out /tmp/bench-ladder",
     "aggregate-batch": "vllm-dp bench aggregate-batch --quick --out /tmp/bench-aggregate-batch",
     "ledger": "vllm-dp bench ledger --quick --out /tmp/bench-ledger",
+    "decode-step": "vllm-dp bench decode-step --quick --out /tmp/bench-decode-step",
     "faults": "vllm-dp bench faults --setups attention-demo --trials 1 --out /tmp/bench-faults",
     "load": "vllm-dp bench load --modes aggregate,none --requests 100 --soak-minutes 2 --out /tmp/bench-load",
     "fuzz": "vllm-dp bench fuzz --modes aggregate --cases 100 --out /tmp/bench-fuzz",
