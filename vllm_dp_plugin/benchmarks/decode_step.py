@@ -27,7 +27,14 @@ from pathlib import Path
 
 import torch
 
-from vllm_dp_plugin.benchmarks.lib.cli import add_date_arg, add_out_arg, add_quick_arg, command_line, parse, today
+from vllm_dp_plugin.benchmarks.lib.cli import (
+    add_date_arg,
+    add_out_arg,
+    add_quick_arg,
+    command_line,
+    parse,
+    today,
+)
 from vllm_dp_plugin.benchmarks.lib.environment import device_label, environment, loadavg
 from vllm_dp_plugin.benchmarks.lib.progress import logger
 
@@ -153,13 +160,13 @@ def markdown(result: dict) -> str:
     s = result["settings"]
     lines = [
         f"# vllm-dp bench decode-step ({device_label('cpu', short=True)}, {s['date']})", "",
-        f"Command: `{result['command']}`. One decode step of DP attention's serving path (K/V write + forward of "
+        (f"Command: `{result['command']}`. One decode step of DP attention's serving path (K/V write + forward of "
         f"{s['layers']} layers; {s['batch']} requests, {s['heads']} query / {s['kv_heads']} KV heads of dim "
         f"{s['head_dim']}, a released dp_state context of {s['context']} rows, degree {s['degree']}, {s['public']} "
-        f"public rows each), one thread, no engine. Load average at the end: {result['loadavg']}.", "",
+        f"public rows each), one thread, no engine. Load average at the end: {result['loadavg']}."), "",
         table(["repeat", "CPU ms per step"], [[i + 1, f"{m:.2f}"] for i, m in enumerate(result["ms_per_step"])]), "",
-        f"Median: **{result['median_ms_per_step']:.2f} CPU ms per step** "
-        f"({result['median_ms_per_step'] / s['layers']:.2f} per layer).", "",
+        (f"Median: **{result['median_ms_per_step']:.2f} CPU ms per step** "
+        f"({result['median_ms_per_step'] / s['layers']:.2f} per layer)."), "",
         "## Where the step goes: per operator (self CPU)", "", "```", result["profile"]["operators"], "```", "",
         "## Per function of the plugin (total CPU, callees included)", "", result["profile"]["functions"], "",
     ]
