@@ -129,7 +129,8 @@ def profile_tables(step, steps: int, rows: int) -> dict[str, str]:
             step()
     events = prof.key_averages()
     by_op = events.table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=60)
-    plugin = sorted((e for e in events if "vllm_dp_plugin/" in e.key and "/benchmarks/" not in e.key),
+    plugin = sorted((e for e in events if "vllm_dp_plugin/" in e.key and e.count >= steps  # not the callers
+                     and "/benchmarks/" not in e.key),
                     key=lambda e: -e.cpu_time_total)[:rows]
     by_function = table(["function", "CPU ms per step (total)", "calls per step"],
                         [[f"`{e.key.split('vllm_dp_plugin/')[-1]}`", f"{e.cpu_time_total / steps / 1e3:.3f}",
