@@ -1,5 +1,5 @@
 """Torch references of the nearest-candidate kernels (``kernels.nearest``: the fast pass,
-``kernels.nearest_select``: the certified fp32 selection); also the plain paths on any device.
+``kernels.nearest_select``: the certified fp32 and int8 selections); also the plain paths on any device.
 
 Score of candidate row ``e`` for query ``r``: ``||e||^2 - 2 <e, r>`` (``||r||^2`` is constant per
 query), one GEMM per chunk of queries.
@@ -8,6 +8,8 @@ query), one GEMM per chunk of queries.
 from __future__ import annotations
 
 import torch
+
+from .types import Int8Rows
 
 
 def squared_distance_scores(
@@ -45,11 +47,31 @@ def select_within_bound(
 ) -> torch.Tensor:
     """Torch ``SelectPass`` (the reference of ``kernels.nearest_select``). Raises ValueError when
     a query's scores are not finite."""
-    n = scores.shape[0]
     threshold = scores.amin(dim=1) + slack  # [n]
     if not bool(torch.isfinite(threshold).all()):
         raise ValueError("select_within_bound: non-finite scores (NaN or inf queries)")
-    query, row = torch.nonzero(scores <= threshold[:, None], as_tuple=True)  # (q, c) pairs
+    return nearest_among(scores <= threshold[:, None], queries, rows)
+
+
+def select_int8(
+    gram: torch.Tensor, q: Int8Rows, r: Int8Rows, margin: float, queries: torch.Tensor, rows: torch.Tensor
+) -> torch.Tensor:
+    """Torch ``Int8SelectPass`` (the reference of ``kernels.nearest_select.select_int8``; float64
+    ``[n, K]`` temporaries). Raises ValueError when a query's scores are not finite."""
+    score = r.sq[None, :] - 2.0 * (q.scale[:, None] * r.scale[None, :]) * gram.to(torch.float64)
+    slack = (2.0 * (r.err[None, :] * q.sq.sqrt()[:, None] + r.coded_norm[None, :] * q.err[:, None])
+             + margin * (r.sq[None, :] + q.sq[:, None]))
+    upper = (score + slack).amin(dim=1)  # [n]
+    if not bool(torch.isfinite(upper).all()):
+        raise ValueError("select_int8: non-finite scores (NaN or inf queries)")
+    return nearest_among(score - slack <= upper[:, None], queries, rows)
+
+
+def nearest_among(window: torch.Tensor, queries: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """For each query ``[n, d]``, the row of ``rows [K, d]`` nearest by float64 ``direct_distances``
+    among those ``window [n, K]`` (bool, at least one per query) admits; ties -> lowest position."""
+    n = window.shape[0]
+    query, row = torch.nonzero(window, as_tuple=True)  # (q, c) pairs
     dist = direct_distances(rows[row], queries[query])
     least = torch.full((n,), float("inf"), dtype=dist.dtype, device=dist.device)
     least = least.scatter_reduce(0, query, dist, reduce="amin")

@@ -184,7 +184,7 @@ def test_prompt_section_defaults_and_switches():
     cfg = DPPrivacyConfig.from_dict({"prompt": {}})
     p = cfg.prompt
     assert cfg.prompt_enabled and not cfg.enabled  # the attention backend stays a pass-through
-    assert (p.mechanism, p.epsilon, p.delta, p.mode, p.fast_dtype) == ("trlap_corrected", 10.0, 1e-6, "tokens", "float32")
+    assert (p.mechanism, p.epsilon, p.delta, p.mode, p.fast_dtype) == ("trlap_corrected", 10.0, 1e-6, "tokens", "auto")
     assert (p.center, p.clip_quantile, p.topk, p.allow_request_override, p.cache_history) == (True, 0.5, 32, True, True)
     assert p.max_epsilon is None and p.effective_dim is None
     both = DPPrivacyConfig.from_dict({**GOOD, "prompt": {"mechanism": "expmech", "epsilon": 3}})

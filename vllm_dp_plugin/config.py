@@ -527,7 +527,7 @@ def _aggregate_clients(raw: Any, total_epsilon: float, min_epsilon: float) -> di
         clients[name] = AggregateClient(name, digest.lower(), float(share))
     return clients
 PROMPT_MODES = ("tokens", "embeddings")
-FAST_DTYPES = ("float32", "bfloat16")
+FAST_DTYPES = ("auto", "float32", "bfloat16", "int8")  # prompt.fast_dtype (prompt/nearest.py)
 SEARCH_DEVICES = ("auto", "cpu", "cuda")
 SEARCHES = ("exact", "hnsw", "ivf")  # prompt.search: nearest-candidate search (prompt/approximate.py)
 
@@ -544,7 +544,8 @@ class PromptPrivacyConfig:
     ``mechanism``: one of ``prompt.MECHANISMS``. ``effective_dim``: Remark 1's dummy dimension,
     used by ``trlap_paper`` only. ``center``/``clip_quantile``: the embedding table's centring and
     clip norm (a quantile of the centred row norms). ``topk``/``fast_dtype``: nearest-candidate
-    search (utility and speed only); ``search_device``: where that search runs (``auto``: the API
+    search (speed only: ``float32`` and ``int8`` are certified, the same answers as float64 brute
+    force; ``auto``: ``int8`` on CPU, ``float32`` on CUDA); ``search_device``: where that search runs (``auto``: the API
     server's CUDA device when it has one, else CPU). ``search``: ``exact`` (default: the certified
     fp32 search), or an approximate faiss-cpu index over the candidate rows built once at
     start-up, ``hnsw`` (HNSW, M 32, efSearch 128) or ``ivf`` (IVF-Flat, nlist ~ 4 sqrt(K),
@@ -576,7 +577,7 @@ class PromptPrivacyConfig:
     center: bool = True
     clip_quantile: float = 0.5
     topk: int = 32
-    fast_dtype: str = "float32"
+    fast_dtype: str = "auto"
     search_device: str = "auto"
     search: str = "exact"
     allow_request_override: bool = True

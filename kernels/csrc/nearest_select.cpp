@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <vector>
 
 namespace {
 
@@ -35,6 +36,13 @@ float row_min(const float* s, int64_t K) {
 }
 
 bool any_within(const float* s, int64_t count, float threshold) {
+  int hit = 0;
+#pragma omp simd reduction(| : hit)
+  for (int64_t k = 0; k < count; ++k) hit |= s[k] <= threshold;
+  return hit != 0;
+}
+
+bool any_within_d(const double* s, int64_t count, double threshold) {
   int hit = 0;
 #pragma omp simd reduction(| : hit)
   for (int64_t k = 0; k < count; ++k) hit |= s[k] <= threshold;
@@ -88,6 +96,88 @@ torch::Tensor select_within_bound(torch::Tensor scores, torch::Tensor slack, tor
   return out;
 }
 
+// The int8 pass (prompt.nearest.certified_nearest_int8; kernels.types.Int8SelectPass): gram [n, K]
+// int32, the exact integer products <E_k, R_i> of the rows' and queries' int8 codes. The score of row
+// k for query i is c = r_sq[k] - 2 r_scale[k] q_scale[i] gram[i, k] (float64), within
+// t = 2 (r_err[k] ||r_i|| + r_coded[k] q_err[i]) + margin (r_sq[k] + q_sq[i]) of the exact score.
+// U = min_k (c + t) bounds the nearest row's exact score from above; among the rows with
+// c - t <= U (they hold the nearest row), the smallest float64 ||rows[k] - queries[i]||^2, exact
+// ties to the smallest k. Returns positions [n] int64. One pass computes c and its minimum; t is
+// evaluated only for the rows within 2 max_k t of that minimum (the others cannot set U nor pass).
+torch::Tensor select_int8(torch::Tensor gram, torch::Tensor q_scale, torch::Tensor q_err, torch::Tensor q_sq,
+                          torch::Tensor r_scale, torch::Tensor r_err, torch::Tensor r_coded, torch::Tensor r_sq,
+                          double margin, torch::Tensor queries, torch::Tensor rows) {
+  TORCH_CHECK(gram.scalar_type() == torch::kInt && gram.is_contiguous() && gram.dim() == 2 && gram.device().is_cpu(),
+              "select_int8: gram must be a contiguous int32 [n, K] CPU tensor");
+  for (const auto& t : {q_scale, q_err, q_sq, r_scale, r_err, r_coded, r_sq})
+    TORCH_CHECK(t.scalar_type() == torch::kDouble && t.is_contiguous() && t.device().is_cpu(),
+                "select_int8: contiguous float64 CPU vectors");
+  for (const auto& t : {queries, rows})
+    TORCH_CHECK(t.scalar_type() == torch::kFloat && t.is_contiguous() && t.device().is_cpu() && t.dim() == 2,
+                "select_int8: contiguous float32 CPU queries [n, d] and rows [K, d]");
+  const int64_t n = gram.size(0), K = gram.size(1), d = rows.size(1);
+  TORCH_CHECK(K > 0 && rows.size(0) == K && queries.size(0) == n && queries.size(1) == d &&
+                  q_scale.numel() == n && q_err.numel() == n && q_sq.numel() == n && r_scale.numel() == K &&
+                  r_err.numel() == K && r_coded.numel() == K && r_sq.numel() == K,
+              "select_int8: shapes do not match");
+  auto out = torch::empty({n}, gram.options().dtype(torch::kLong));
+  const int32_t* gp = gram.data_ptr<int32_t>();
+  const double *qbp = q_scale.data_ptr<double>(), *qep = q_err.data_ptr<double>(), *qsp = q_sq.data_ptr<double>();
+  const double *rap = r_scale.data_ptr<double>(), *rep = r_err.data_ptr<double>();
+  const double *rcp = r_coded.data_ptr<double>(), *rsp = r_sq.data_ptr<double>();
+  const float* qp = queries.data_ptr<float>();
+  const float* rp = rows.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  // the largest t of a query is at most 2 (max err ||r|| + max coded q_err) + margin (max sq + q_sq)
+  const double err_max = r_err.max().item<double>(), coded_max = r_coded.max().item<double>();
+  const double sq_max = r_sq.max().item<double>();
+  bool finite = true;
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    std::vector<double> score(K);  // c of the current query
+    std::vector<int64_t> near;     // rows with c <= min c + 2 t_max: they hold min (c + t) and the window
+    for (int64_t i = begin; i < end; ++i) {
+      const int32_t* g = gp + i * K;
+      const double b2 = 2.0 * qbp[i], qn = std::sqrt(qsp[i]), qe = qep[i];
+      const double t_max = 2.0 * (err_max * qn + coded_max * qe) + margin * (sq_max + qsp[i]);
+      double least = std::numeric_limits<double>::infinity();
+#pragma omp simd reduction(min : least)
+      for (int64_t k = 0; k < K; ++k) {
+        score[k] = rsp[k] - b2 * rap[k] * static_cast<double>(g[k]);
+        least = score[k] < least ? score[k] : least;
+      }
+      if (!std::isfinite(least + t_max)) {
+        finite = false;
+        op[i] = -1;
+        continue;
+      }
+      // a row with c > min c + t_max has c + t above the argmin's c + t; a row in the window
+      // (c - t <= U <= min c + t_max) has c <= min c + 2 t_max
+      const double reach = least + 2.0 * t_max;
+      near.clear();
+      for (int64_t k0 = 0; k0 < K; k0 += kBlock) {
+        const int64_t stop = std::min(k0 + kBlock, K);
+        if (!any_within_d(score.data() + k0, stop - k0, reach)) continue;
+        for (int64_t k = k0; k < stop; ++k)
+          if (score[k] <= reach) near.push_back(k);
+      }
+      auto slack = [&](int64_t k) { return 2.0 * (rep[k] * qn + rcp[k] * qe) + margin * (rsp[k] + qsp[i]); };
+      double upper = std::numeric_limits<double>::infinity();
+      for (int64_t k : near) upper = std::min(upper, score[k] + slack(k));
+      double best = std::numeric_limits<double>::infinity();
+      int64_t best_k = -1;
+      for (int64_t k : near) {  // ascending k: a tie keeps the smaller k
+        if (score[k] - slack(k) > upper) continue;
+        const double dist = squared_distance(rp + k * d, qp + i * d, d);
+        if (dist < best) best = dist, best_k = k;
+      }
+      op[i] = best_k;
+    }
+  });
+  TORCH_CHECK(finite, "select_int8: non-finite scores (NaN or inf queries)");
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("select_within_bound", &select_within_bound, "certified nearest-candidate selection (CPU)");
+  m.def("select_int8", &select_int8, "certified nearest-candidate selection of the int8 pass (CPU)");
 }

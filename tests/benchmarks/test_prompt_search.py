@@ -54,8 +54,8 @@ def test_prompt_ttft_report_states_the_search_and_the_target_model():
     from vllm_dp_plugin.benchmarks.prompt_ttft import TARGET_MODEL, summary
     from vllm_dp_plugin.benchmarks.prompt_ttft import markdown as ttft_markdown
 
-    rows = [{"config": c, "mean_ttft_ms": t, "median_ttft_ms": t} for c, t in [("stock", 100.0), ("prompt", 105.0)]]
+    rows = [{"config": c, "mean_ttft_ms": t, "median_ttft_ms": t} for c, t in [("stock", 100.0), ("prompt-auto", 105.0)]]
     args = argparse.Namespace(model=TARGET_MODEL, shape="demo", input_len=512, output_len=4, num_prompts=32,
-                              repeats=1, mechanism="trlap_corrected", epsilon=10.0, search="ivf")
-    text = ttft_markdown(args, summary(rows), {"device": "cpu", "date": "d", "command": "c"})
+                              repeats=1, mechanism="trlap_corrected", epsilon=10.0, search="ivf", fast_dtypes=["auto"])
+    text = ttft_markdown(args, summary(rows, ["stock", "prompt-auto"]), {"device": "cpu", "date": "d", "command": "c"})
     assert "search `ivf`" in text and "SmolLM2" in text and "PASS." in text

@@ -13,23 +13,28 @@ from vllm_dp_plugin.config import DPPrivacyConfig
 
 def test_prompt_config_is_a_valid_dp_private_server(tmp_path):
     args = argparse.Namespace(mechanism="laplace", epsilon=7.0, search="hnsw")
-    flags, env = config_of("prompt", args, tmp_path)
+    flags, env = config_of("prompt-int8", args, tmp_path)
     assert flags[flags.index("--tokenizer-mode") + 1] == "dp_private" and env["VLLM_PLUGINS"] == "dp_privacy"
     cfg = DPPrivacyConfig.from_dict(json.loads(flags[flags.index("--additional-config") + 1])["dp_privacy"])
     assert cfg.prompt.mechanism == "laplace" and cfg.prompt.epsilon == 7.0 and cfg.attention is None
-    assert cfg.prompt.search == "hnsw"
+    assert cfg.prompt.search == "hnsw" and cfg.prompt.fast_dtype == "int8"
     flags, env = config_of("stock", args, tmp_path)
     assert flags == [] and env["VLLM_PLUGINS"] == ""
 
 
 def test_summary_takes_the_median_run_and_judges_the_overhead():
     rows = [{"config": c, "mean_ttft_ms": t, "median_ttft_ms": t} for c, t in
-            [("stock", 10.0), ("prompt", 10.5), ("stock", 30.0), ("prompt", 11.5), ("stock", 12.0), ("prompt", 12.9)]]
-    out = summary(rows)
-    assert out["stock"]["mean_ttft_ms"] == 12.0 and out["prompt"]["mean_ttft_ms"] == 11.5
+            [("stock", 10.0), ("prompt-auto", 10.5), ("prompt-float32", 14.0), ("stock", 30.0),
+             ("prompt-auto", 11.5), ("prompt-float32", 15.0), ("stock", 12.0), ("prompt-auto", 12.9),
+             ("prompt-float32", 16.0)]]
+    names = ["stock", "prompt-auto", "prompt-float32"]
+    out = summary(rows, names)
+    assert out["stock"]["mean_ttft_ms"] == 12.0 and out["prompt-auto"]["mean_ttft_ms"] == 11.5
     assert out["overhead"] == pytest.approx(11.5 / 12.0 - 1) and out["verdict"] == "PASS"
-    rows[1]["mean_ttft_ms"] = rows[3]["mean_ttft_ms"] = 20.0
-    assert summary(rows)["verdict"] == "FAIL"
+    assert out["prompt-float32"]["overhead"] == pytest.approx(15.0 / 12.0 - 1)
+    assert out["prompt-float32"]["verdict"] == "FAIL"
+    rows[1]["mean_ttft_ms"] = rows[4]["mean_ttft_ms"] = 20.0
+    assert summary(rows, names)["verdict"] == "FAIL"
 
 
 @pytest.mark.parametrize("suite", sorted(BENCH_SUITES))

@@ -1,4 +1,4 @@
-"""Nearest-candidate search: fast path (fp32/bf16 top-k + exact re-rank) == brute force."""
+"""Nearest-candidate search: certified fp32 and int8 passes, bf16 top-k + exact re-rank == brute force."""
 
 import pytest
 import torch
@@ -22,7 +22,7 @@ def noisy_queries(rows: torch.Tensor, n: int, scale: float, seed: int) -> torch.
     )
 
 
-@pytest.mark.parametrize("fast_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fast_dtype", [torch.float32, torch.bfloat16, torch.int8])
 @pytest.mark.parametrize("scale", [0.3, 3.0])
 def test_fast_path_equals_brute_force_on_random_tables(fast_dtype, scale):
     rows = random_rows(0)
@@ -33,7 +33,7 @@ def test_fast_path_equals_brute_force_on_random_tables(fast_dtype, scale):
     assert torch.equal(got, ids[brute_force_nearest(queries, rows)])
 
 
-@pytest.mark.parametrize("fast_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fast_dtype", [torch.float32, torch.bfloat16, torch.int8])
 def test_exact_ties_go_to_the_lowest_id(fast_dtype):
     """Duplicated rows tie exactly in every precision; both paths must return the lowest id."""
     rows = random_rows(2)

@@ -19,6 +19,7 @@ from vllm_dp_plugin.prompt.session import (
     Segment,
     chat_segments,
     current_request,
+    fast_dtype,
     locate_plain,
     make_sentinels,
     mark_user_texts,
@@ -66,6 +67,16 @@ def test_defaults_come_from_the_config():
     assert resolve_options({"dp_mechanism": "laplace", "dp_epsilon": 5, "dp_session": SESSION}, CFG, b"c") == (
         PromptOptions("laplace", 5.0, 1e-6, "tokens", SESSION, b"c")
     )
+
+
+def test_fast_dtype_auto_is_int8_on_cpu_and_int8_is_cpu_only():
+    assert fast_dtype("auto", torch.device("cpu")) == torch.int8
+    assert fast_dtype("auto", torch.device("meta")) == torch.float32  # any non-CPU device: CUDA
+    assert fast_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
+    with pytest.raises(ValueError, match="prompt.fast_dtype int8 runs on CPU only"):
+        fast_dtype("int8", torch.device("meta"))
+    service = PromptPrivacy(make_table(), CFG)
+    assert service._index.int8 is not None  # the default CPU search is the certified int8 pass
 
 
 def test_option_overrides_keeps_only_dp_options():

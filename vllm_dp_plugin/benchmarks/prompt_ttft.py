@@ -4,10 +4,12 @@
 4, concurrency 1) against ``vllm serve`` of the same model in two configurations:
 
 * ``stock``: ``VLLM_PLUGINS=""``;
-* ``prompt``: ``dp_privacy.prompt`` with ``--tokenizer-mode dp_private`` (mechanism
-  ``--mechanism``, default ``trlap_corrected``, eps ``--epsilon`` per token). A completion
-  prompt is user content, so every one of its tokens is privatized in the API server before the
-  engine sees it.
+* ``prompt-<fast dtype>``: ``dp_privacy.prompt`` with ``--tokenizer-mode dp_private`` (mechanism
+  ``--mechanism``, default ``trlap_corrected``, eps ``--epsilon`` per token), one server per
+  ``--fast-dtypes`` entry (``prompt.fast_dtype``; default ``auto``: the certified int8 pass on
+  CPU; ``--fast-dtypes auto float32`` compares it with the certified fp32 pass in the same run).
+  A completion prompt is user content, so every one of its tokens is privatized in the API
+  server before the engine sees it.
 
 ``--search`` picks the prompt server's nearest-candidate search (``prompt.search``: ``exact``, or
 an approximate faiss index ``hnsw`` / ``ivf``). With an approximate search the report gains a
@@ -20,6 +22,9 @@ The two servers run ``--repeats`` times, interleaved; the median over runs of th
 compared. Target (prompt privatization's speed): overhead <= 10% on CPU for 512-token prompts on SmolLM2-135M-Instruct
 (``--model .models/smollm2-135m-instruct``, vocabulary 49,152 x 576; the demo model's vocabulary
 search is half its prefill, so the demo is no longer the target's model).
+``--fast-check-queries`` (default 10,240) adds a pure-torch section before the servers start
+(``benchmarks.lib.fast_pass``): the certified int8 pass against the certified fp32 pass on that
+many noisy vectors of the model's own table (identical answers), and both passes' time on 512.
 Writes ``prompt-ttft-<device>-<date>.{md,json}`` into ``--out``.
 """
 
@@ -37,7 +42,7 @@ from vllm_dp_plugin.benchmarks.lib.cli import add_out_arg, add_quick_arg, comman
 from vllm_dp_plugin.benchmarks.lib.environment import device_label
 from vllm_dp_plugin.benchmarks.lib.report import suffixed, write_json, write_text
 from vllm_dp_plugin.benchmarks.lib.vllm import config_env, served_latency
-from vllm_dp_plugin.config import SEARCHES
+from vllm_dp_plugin.config import FAST_DTYPES, SEARCHES
 
 TARGET_OVERHEAD = 0.10  # (prompt TTFT / stock TTFT) - 1, CPU, SmolLM2-135M-Instruct, 512-token prompts
 TARGET_MODEL = ".models/smollm2-135m-instruct"
@@ -48,22 +53,23 @@ SHAPES = {"demo": {}, "wide": {"hidden_size": 512, "intermediate_size": 1536, "n
 
 
 def config_of(name: str, args: argparse.Namespace, work: Path) -> tuple[list[str], dict]:
-    """(server flags, environment) of ``stock`` or ``prompt``."""
+    """(server flags, environment) of ``stock`` or ``prompt-<fast dtype>``."""
     if name == "stock":
         return [], config_env("stock")
     section = {"key_file": str(work / "noise.key"),
-               "prompt": {"mechanism": args.mechanism, "epsilon": args.epsilon, "search": args.search}}
+               "prompt": {"mechanism": args.mechanism, "epsilon": args.epsilon, "search": args.search,
+                          "fast_dtype": name.removeprefix("prompt-")}}
     flags = ["--tokenizer-mode", "dp_private", "--additional-config", json.dumps({"dp_privacy": section})]
     return flags, config_env("dp_prompt")
 
 
 def measure(args: argparse.Namespace, work: Path) -> list[dict]:
-    """Every run's latency row, runs interleaved (stock, prompt, stock, prompt, ...)."""
+    """Every run's latency row, runs interleaved (stock, prompt-..., stock, prompt-..., ...)."""
     from tqdm import tqdm
 
     dataset = ["--dataset-name", "random", "--random-input-len", str(args.input_len),
                "--random-output-len", str(args.output_len), "--random-range-ratio", "0"]
-    jobs = [(r, name) for r in range(args.repeats) for name in ("stock", "prompt")]
+    jobs = [(r, name) for r in range(args.repeats) for name in configs(args)]
     rows = []
     for run, name in tqdm(jobs, desc="bench serve", unit="server"):
         flags, env = config_of(name, args, work)
@@ -74,22 +80,33 @@ def measure(args: argparse.Namespace, work: Path) -> list[dict]:
     return rows
 
 
-def summary(rows: list[dict]) -> dict:
-    """Median over runs of each config's mean and median TTFT (ms), and the overhead."""
+def configs(args: argparse.Namespace) -> list[str]:
+    """``stock``, then one ``prompt-<fast dtype>`` per ``--fast-dtypes`` entry."""
+    return ["stock", *(f"prompt-{dtype}" for dtype in args.fast_dtypes)]
+
+
+def summary(rows: list[dict], names: list[str]) -> dict:
+    """Median over runs of each config's mean and median TTFT (ms); per prompt config its overhead
+    on stock and verdict (the first prompt config's are the summary's own)."""
     out = {}
-    for name in ("stock", "prompt"):
+    for name in names:
         mine = [r for r in rows if r["config"] == name]
         out[name] = {k: statistics.median(r[k] for r in mine) for k in ("mean_ttft_ms", "median_ttft_ms")}
         out[name]["runs_mean_ttft_ms"] = [r["mean_ttft_ms"] for r in mine]
-    out["overhead"] = out["prompt"]["mean_ttft_ms"] / out["stock"]["mean_ttft_ms"] - 1.0
-    out["verdict"] = "PASS" if out["overhead"] <= TARGET_OVERHEAD else "FAIL"
+    for name in names[1:]:
+        out[name]["overhead"] = out[name]["mean_ttft_ms"] / out["stock"]["mean_ttft_ms"] - 1.0
+        out[name]["verdict"] = "PASS" if out[name]["overhead"] <= TARGET_OVERHEAD else "FAIL"
+    out["overhead"], out["verdict"] = out[names[1]]["overhead"], out[names[1]]["verdict"]
     return out
 
 
-def markdown(args: argparse.Namespace, summ: dict, meta: dict, search: dict | None = None) -> str:
+def markdown(args: argparse.Namespace, summ: dict, meta: dict, search: dict | None = None,
+             fast: dict | None = None) -> str:
+    from vllm_dp_plugin.benchmarks.lib.fast_pass import markdown as fast_markdown
     from vllm_dp_plugin.benchmarks.lib.prompt_search import markdown as search_markdown
 
     search_lines = [] if search is None else search_markdown(search)
+    fast_lines = [] if fast is None else fast_markdown(fast)
     shape = f" (shape `{args.shape}`)" if str(args.model).startswith(".demo") else ""
 
     def row(name: str) -> str:
@@ -104,10 +121,12 @@ def markdown(args: argparse.Namespace, summ: dict, meta: dict, search: dict | No
         f"`prompt`: mechanism `{args.mechanism}`, eps {args.epsilon:g} per token, nearest-candidate search "
         f"`{args.search}`."), "",
         "| config | mean TTFT (ms) | median TTFT (ms) | mean TTFT of each run (ms) |", "|---|---|---|---|",
-        row("stock"), row("prompt"), "",
-        (f"Overhead of prompt privatization on mean TTFT: **{100 * summ['overhead']:+.1f}%** "
-        f"(target <= {100 * TARGET_OVERHEAD:.0f}% on SmolLM2-135M-Instruct, `{TARGET_MODEL}`): {summ['verdict']}"
-        + ("." if Path(args.model) == Path(TARGET_MODEL) else " (not the target's model).")), "",
+        *(row(name) for name in configs(args)), "",
+        *(f"Overhead of `{name}` on mean TTFT: **{100 * summ[name]['overhead']:+.1f}%** "
+          f"(target <= {100 * TARGET_OVERHEAD:.0f}% on SmolLM2-135M-Instruct, `{TARGET_MODEL}`): "
+          f"{summ[name]['verdict']}" + ("." if Path(args.model) == Path(TARGET_MODEL) else " (not the target's model).")
+          for name in configs(args)[1:]), "",
+        *fast_lines,
         *search_lines,
     ])
 
@@ -125,8 +144,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=2, help="runs per config, interleaved; median reported")
     p.add_argument("--mechanism", default="trlap_corrected")
     p.add_argument("--epsilon", type=float, default=10.0, help="per-token epsilon")
+    p.add_argument("--fast-dtypes", nargs="+", choices=FAST_DTYPES, default=["auto"],
+                   help="prompt.fast_dtype of each prompt server (default auto: int8 on CPU)")
     p.add_argument("--search", choices=SEARCHES, default="exact",
                    help="prompt.search of the prompt server: exact (default) or an approximate faiss index")
+    p.add_argument("--fast-check-queries", type=int, default=10240,
+                   help="noisy vectors for the int8-vs-fp32 identical-answers section (0: skip it)")
     p.add_argument("--utility-tokens", type=int, default=4096,
                    help="tokens of English text for the exact-vs-approximate utility section (0: skip it)")
     add_quick_arg(p, "smoke run: 64-token prompts, 4 prompts, 1 run")
@@ -142,6 +165,7 @@ def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
     args, argv = parse(args, build_parser)
     if args.quick:
         args.input_len, args.num_prompts, args.repeats = 64, 4, 1
+        args.fast_check_queries = min(args.fast_check_queries, 1024)
     if args.model is None:
         args.model = ".demo/llama" if args.shape == "demo" else f".demo/llama-{args.shape}"
     if not (Path(args.model) / "config.json").exists():
@@ -154,8 +178,13 @@ def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
         from vllm_dp_plugin.benchmarks.lib.prompt_search import model_comparison
 
         search = model_comparison(args.model, args.search, tokens=args.utility_tokens)
+    fast = None
+    if args.fast_check_queries > 0:
+        from vllm_dp_plugin.benchmarks.lib.fast_pass import compare
+
+        fast = compare(args.model, queries=args.fast_check_queries)
     rows = measure(args, work)
-    summ = summary(rows)
+    summ = summary(rows, configs(args))
     date = today()
     meta = {"date": date, "device": device_label("cpu"), "platform": platform.platform(),
             "command": command_line("vllm-dp bench prompt-ttft", argv, quote=False), "work_dir": str(work)}
@@ -163,9 +192,9 @@ def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
     stem = Path(args.out) / f"prompt-ttft-{shape}{meta['device']}-{date}"
     write_json(suffixed(stem, ".json"), {"meta": meta, "settings": {
         k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "runs": rows, "summary": summ,
-        "search": search},
+        "search": search, "fast_pass": fast},
         indent=1)
-    write_text(suffixed(stem, ".md"), markdown(args, summ, meta, search))
+    write_text(suffixed(stem, ".md"), markdown(args, summ, meta, search, fast))
     print(suffixed(stem, ".md").read_text())
     return 0
 

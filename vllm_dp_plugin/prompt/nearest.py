@@ -12,7 +12,11 @@ queries. The search runs in two passes:
 
 With fp32 rows the two passes are one certified search: the fp32 GEMM, then a ``SelectPass``
 re-ranks only the rows within the GEMM's rounding-error bound of the best (``certified_nearest_fp32``;
-``select_within_bound`` in torch, fused for CPU in ``kernels.nearest_select``).
+``select_within_bound`` in torch, fused for CPU in ``kernels.nearest_select``). With int8 rows
+(``fast_dtype`` int8, the CPU default) the GEMM is an exact int8 x int8 -> int32 product of the
+quantised rows and queries (``torch._int_mm``: ~4x the fp32 GEMM's speed on an AVX2 CPU), and the
+re-rank takes every row whose per-pair quantisation bound can reach the best
+(``certified_nearest_int8``; ~40 rows per query on SmolLM2's table at eps 10): the same answer.
 
 The fast pass is a plain function with the ``FastPass`` signature so that a fused kernel in
 ``kernels/`` can replace ``fast_topk_torch`` without touching the rest. ``brute_force_nearest``
@@ -32,8 +36,10 @@ from ..kernels.nearest_reference import (
     select_within_bound,
     squared_distance_scores,
 )
-from ..kernels.types import FastPass, SelectPass
+from ..kernels.nearest_select import default_select_int8
+from ..kernels.types import FastPass, Int8Rows, Int8SelectPass, SelectPass
 
+FAST_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
 BRUTE_FORCE_ELEMENTS = 1 << 22  # float64 elements of one brute-force [c, K, d] block (32 MiB)
 
 
@@ -85,6 +91,42 @@ def certified_nearest_fp32(
     return select(scores, 2.0 * score_error_bound(queries, sq_norms), queries, rows)
 
 
+INT8_MARGIN = 1e-11  # float64 slack of the int8 bound, relative to ||e||^2 + ||r||^2
+
+
+def quantize_int8(vectors: torch.Tensor) -> Int8Rows:
+    """``Int8Rows`` of ``vectors [m, d]`` (fp32 values): one symmetric scale per vector,
+    ``max |v| / 127`` (1 for a zero vector), codes ``round(v / scale)``; every norm in float64."""
+    v = vectors.to(torch.float64)
+    scale = v.abs().amax(dim=1) / 127.0 if v.shape[1] else v.new_ones(v.shape[0])
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = torch.round(v / scale[:, None]).clamp_(-127, 127)
+    coded = codes * scale[:, None]
+    return Int8Rows(codes.to(torch.int8), scale, (v - coded).norm(dim=1), coded.norm(dim=1), v.pow(2).sum(1))
+
+
+def certified_nearest_int8(
+    queries: torch.Tensor, rows: torch.Tensor, rows8: Int8Rows, select: Int8SelectPass
+) -> torch.Tensor:
+    """Positions ``[n]`` in ``rows [K, d]`` (fp32, quantised as ``rows8``) of the nearest row to each
+    query ``[n, d]`` (fp32), ties -> lowest position: the same answer as ``rerank_exact`` over every
+    row, from one exact int8 GEMM of the codes plus a direct re-rank of the rows its bound cannot
+    exclude.
+
+    With ``e = a E + de`` and ``r = b R + dr`` (codes E, R; scales a, b), ``<e, r> - a b <E, R> =
+    <de, r> + <a E, dr>``, so the computed score ``c = ||e||^2 - 2 a b <E, R>`` lies within
+    ``t = 2 (||de|| ||r|| + ||a E|| ||dr||)`` of the exact one (Cauchy-Schwarz; ``<E, R>`` is an
+    exact int32). ``U = min (c + t)`` bounds the nearest row's exact score from above, so the
+    nearest row has ``c - t <= U``; only those rows are re-ranked. ``INT8_MARGIN (||e||^2 + ||r||^2)``
+    in ``t`` covers the float64 rounding of the scores, the norms and the re-rank's distances
+    (each <= ~(d + 2) 2^-53 of that scale). Raises ValueError on non-finite queries."""
+    if not bool(torch.isfinite(queries).all()):
+        raise ValueError("nearest-candidate search: non-finite queries (NaN or inf)")
+    q8 = quantize_int8(queries)
+    gram = torch._int_mm(q8.codes, rows8.codes.T)  # [n, K] int32, exact: |<E, R>| <= 127^2 d
+    return select(gram, q8, rows8, INT8_MARGIN, queries, rows)
+
+
 def brute_force_nearest(queries: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """Exact reference: position in ``rows [K, d]`` of the nearest row to each query ``[n, d]``
     by direct float64 ``||e - r||^2`` over every row; ties -> lowest position. ``[n]`` int64."""
@@ -102,29 +144,35 @@ class CandidateIndex:
     """The candidate table prepared for nearest-neighbour search.
 
     ``ids [K]`` int64 token ids (sorted ascending), ``rows [K, d]`` fp32, ``sq_norms [K]`` fp32
-    (``||rows||^2``), ``fast_rows [K, d]`` in the fast-pass dtype (fp32 or bf16).
+    (``||rows||^2``), ``fast_rows [K, d]`` in the fast-pass dtype (fp32 or bf16; int8: the codes of
+    ``int8``, the quantised rows of the certified int8 pass, None otherwise).
     """
 
     ids: torch.Tensor
     rows: torch.Tensor
     sq_norms: torch.Tensor
     fast_rows: torch.Tensor
+    int8: Int8Rows | None = None
 
     @classmethod
     def build(
         cls, ids: torch.Tensor, rows: torch.Tensor, fast_dtype: torch.dtype = torch.float32
     ) -> CandidateIndex:
         """Index over candidate ``ids [K]`` whose embeddings are ``rows [K, d]`` (any float dtype)."""
-        if fast_dtype not in (torch.float32, torch.bfloat16):
+        if fast_dtype not in FAST_DTYPES:
             raise ValueError(
-                f"fast_dtype must be torch.float32 or torch.bfloat16, got {fast_dtype}"
+                f"fast_dtype must be torch.float32, torch.bfloat16 or torch.int8, got {fast_dtype}"
             )
         rows32 = rows.to(torch.float32).contiguous()
+        if fast_dtype == torch.int8:
+            rows8 = quantize_int8(rows32)
+            return cls(ids, rows32, rows32.pow(2).sum(-1), rows8.codes, rows8)
         return cls(ids, rows32, rows32.pow(2).sum(-1), rows32.to(fast_dtype))
 
     def to(self, device: torch.device | str) -> CandidateIndex:
         """This index with every tensor on ``device``."""
-        return CandidateIndex(*(t.to(device) for t in (self.ids, self.rows, self.sq_norms, self.fast_rows)))
+        int8 = None if self.int8 is None else Int8Rows(*(t.to(device) for t in vars(self.int8).values()))
+        return CandidateIndex(*(t.to(device) for t in (self.ids, self.rows, self.sq_norms, self.fast_rows)), int8)
 
     def nearest(
         self,
@@ -138,10 +186,16 @@ class CandidateIndex:
         ``[n, d]`` (any float dtype, any device; searched on the index's device):
         fast-pass top-``k`` per chunk of ``chunk`` queries, then the exact re-rank (the default
         fp32 torch pass re-ranks only the rows its error bound cannot separate, with ``select``:
-        ``certified_nearest_fp32``, same answer, no top-k)."""
+        ``certified_nearest_fp32``, same answer, no top-k; int8 rows: ``certified_nearest_int8``
+        with the fused CPU selection where built, whatever ``fast_pass`` and ``select``)."""
         k = min(k, self.ids.shape[0])
         queries32 = queries.to(device=self.rows.device, dtype=torch.float32)
-        if fast_pass is fast_topk_torch and self.fast_rows.dtype == torch.float32:
+        if self.int8 is not None:
+            select8 = default_select_int8(self.rows.device)
+            positions = [
+                certified_nearest_int8(block, self.rows, self.int8, select8) for block in queries32.split(chunk)
+            ]
+        elif fast_pass is fast_topk_torch and self.fast_rows.dtype == torch.float32:
             # fp32 GEMM already: re-rank only the rows within its error bound of the best
             positions = [
                 certified_nearest_fp32(block, self.rows, self.sq_norms, select)

@@ -158,9 +158,9 @@ def build_prompt_privacy(
     embeddings = load_embedding_matrix(model)
     table, info = build_table(embeddings, len(tokenizer), special_token_ids(tokenizer), cfg)
     cache = HistoryCache(cfg.cache_size, NoiseKey(key_file).mac) if cfg.cache_history else None
-    service = PromptPrivacy(table, cfg, cache, placeholder_id=placeholder_id, embed_dtype=embed_dtype,
-                            device=device, fast_pass=default_fast_pass(device), select=default_select(device))
     try:
+        service = PromptPrivacy(table, cfg, cache, placeholder_id=placeholder_id, embed_dtype=embed_dtype,
+                                device=device, fast_pass=default_fast_pass(device), select=default_select(device))
         options = service.options()
         service.paraphraser(options) if options.mechanism == PARAPHRASE else service.privatizer(options)
     except ValueError as exc:
