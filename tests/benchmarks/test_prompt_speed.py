@@ -18,19 +18,20 @@ def test_quick_run_writes_tables_with_positive_throughput(tmp_path):
 
     nearest, privatizer = results["nearest"], results["privatizer"]
     # quick: 2 tables x 2 batches x (fp32: torch and, where it builds, torch + the C++ select;
-    # bf16: torch)
+    # bf16: torch; int8: its own certified search, under the torch pass's name)
     fused = prompt_speed.default_select("cpu") is not prompt_speed.select_within_bound
     passes = {"torch", "torch+C++ select"} if fused else {"torch"}
-    assert len(nearest) == len(privatizer) == 4 * (1 + len(passes))
+    assert len(nearest) == len(privatizer) == 4 * (2 + len(passes))
     for row in nearest + privatizer:
         assert row["status"] == "ok" and row["pass"] in passes, row
         assert row["pass"] == "torch" or row["dtype"] == "fp32"
         assert row["tokens_per_s"] > 0 and row["seconds"] > 0
     assert {(r["dtype"], r["batch"]) for r in nearest} == {
-        (d, b) for d in ("fp32", "bf16") for b in (32, 128)
+        (d, b) for d in ("fp32", "bf16", "int8") for b in (32, 128)
     }
-    # the fp32 torch pass is its own reference; bf16 + re-rank almost always agrees with it
-    assert all(r["agree_fp32_torch"] == 1.0 for r in nearest if r["dtype"] == "fp32")
+    # the fp32 torch pass is its own reference and the int8 pass is certified equal to it; bf16 +
+    # re-rank almost always agrees with it
+    assert all(r["agree_fp32_torch"] == 1.0 for r in nearest if r["dtype"] in ("fp32", "int8"))
     assert all(r["agree_fp32_torch"] >= 0.9 for r in nearest)
     assert all(r["mechanism"] == "trlap_corrected" and r["epsilon"] == 10.0 for r in privatizer)
     assert results["meta"]["device"] == label and results["meta"]["date"] == DATE

@@ -66,7 +66,7 @@ from vllm_dp_plugin.kernels.types import FastPass, SelectPass
 from vllm_dp_plugin.prompt import EmbeddingTable, TokenPrivatizer, token_mechanism
 from vllm_dp_plugin.prompt.nearest import CandidateIndex
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}
 TOPK, CHUNK = 32, 512
 PRIVATIZER_BYTES_PER_ENTRY = 30  # peak bytes per V*d entry while building table + index
 CPU_MAX_MACS = 3e11
@@ -116,8 +116,11 @@ def fast_passes(device: torch.device) -> dict[str, Search]:
     return passes
 
 
-def applies(pass_name: str, dtype_name: str) -> bool:
-    """The C++ selection only changes the fp32 certified search."""
+def applies(pass_name: str, dtype_name: str, device: torch.device) -> bool:
+    """The C++ selection only changes the fp32 certified search; the int8 search (CPU only) has its
+    own GEMM and selection, run once under the ``torch`` pass's name."""
+    if dtype_name == "int8":
+        return pass_name == "torch" and device.type == "cpu"
     return not (pass_name == "torch+C++ select" and dtype_name != "fp32")
 
 
@@ -160,7 +163,7 @@ def bench_nearest(args, device: torch.device, vocab: int, dim: int, log) -> list
             }
             reason = skip_reason(batch, vocab, dim, args.max_macs)
             for pass_name, (fast_pass, select) in passes.items():
-                if not applies(pass_name, dtype_name):
+                if not applies(pass_name, dtype_name, device):
                     continue
                 row = {**base, "pass": pass_name}
                 if reason:
@@ -217,7 +220,7 @@ def bench_privatizer(args, device: torch.device, vocab: int, dim: int, log) -> l
             for d in args.dtypes
             for b in args.batches
             for p in passes
-            if applies(p, d)
+            if applies(p, d, device)
         ]
     start = time.perf_counter()
     table = EmbeddingTable.build(synthetic_table(vocab, dim, args.seed, device), vocab)
@@ -230,7 +233,7 @@ def bench_privatizer(args, device: torch.device, vocab: int, dim: int, log) -> l
     rows_out = []
     for dtype_name in args.dtypes:
         for pass_name, (fast_pass, select) in passes.items():
-            if not applies(pass_name, dtype_name):
+            if not applies(pass_name, dtype_name, device):
                 continue
             start = time.perf_counter()
             priv = TokenPrivatizer(table, mech, fast_dtype=DTYPES[dtype_name], fast_pass=fast_pass, select=select)
@@ -279,15 +282,16 @@ def roofline_verdict(row: dict) -> str:
 def bench_roofline(args, device: torch.device, vocab: int, dim: int, log) -> list[dict]:
     """Part 3 rows for one table: the Triton fast pass vs the torch GEMM of its scores."""
     base = {"part": "roofline", "vocab": vocab, "dim": dim}
+    dtypes = [d for d in args.dtypes if d != "int8"]  # the Triton pass reads float rows
     if not (triton_available() and (device.type == "cuda" or interpret_requested())):
         reason = "skipped: the Triton pass needs triton and CUDA (or TRITON_INTERPRET=1)"
-        return [{**base, "dtype": d, "batch": b, "status": reason} for d in args.dtypes for b in args.batches]
+        return [{**base, "dtype": d, "batch": b, "status": reason} for d in dtypes for b in args.batches]
     from vllm_dp_plugin.kernels.nearest import fast_topk_triton
 
     table, queries = table_and_queries(args, device, vocab, dim)
     sq_norms = table.pow(2).sum(-1)
     rows_out = []
-    for dtype_name in args.dtypes:
+    for dtype_name in dtypes:
         rows, cast = table.to(DTYPES[dtype_name]), queries.to(DTYPES[dtype_name])
         for batch in args.batches:
             row = {**base, "dtype": dtype_name, "batch": batch}
@@ -443,7 +447,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="VxD list (default 30000x384,128000x4096; quick 2000x64,3000x128)",
     )
     p.add_argument("--batches", type=ints, help="tokens per call (default 512,4096; quick 32,128)")
-    p.add_argument("--dtypes", default="fp32,bf16", help="fast-pass row dtypes (default fp32,bf16)")
+    p.add_argument("--dtypes", default="fp32,bf16,int8",
+                   help="fast-pass row dtypes (default fp32,bf16,int8; int8: CPU only)")
     p.add_argument("--parts", default="nearest,privatizer,roofline",
                    help="comma list of nearest,privatizer,roofline (default: all)")
     p.add_argument(

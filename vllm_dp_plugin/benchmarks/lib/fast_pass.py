@@ -30,7 +30,11 @@ def compare(model: str, *, queries: int = 10240, repeats: int = 5, seed: int = 0
     from transformers import AutoTokenizer
 
     from vllm_dp_plugin.benchmarks.lib.prompt_search import english_ids
-    from vllm_dp_plugin.serving.prompt_table import build_table, load_embedding_matrix, special_token_ids
+    from vllm_dp_plugin.serving.prompt_table import (
+        build_table,
+        load_embedding_matrix,
+        special_token_ids,
+    )
 
     tokenizer = AutoTokenizer.from_pretrained(model)
     table, info = build_table(load_embedding_matrix(model), len(tokenizer), special_token_ids(tokenizer),
