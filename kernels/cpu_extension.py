@@ -14,6 +14,9 @@ import pathlib
 
 CSRC = pathlib.Path(__file__).with_name("csrc")
 SOURCES = ("paged_exact.cpp", "nearest_select.cpp")
+# OpenMP for at::parallel_for over queries (the API server's search; without -fopenmp it runs on one
+# thread). libgomp.so.1 resolves to the copy torch has already loaded: one OpenMP runtime per process.
+OPENMP = {"nearest_select.cpp"}
 logger = logging.getLogger("vllm.dp_privacy")
 
 
@@ -23,10 +26,12 @@ def load(source: str):
     from torch.utils import cpp_extension
 
     try:
+        openmp = ["-fopenmp"] if source in OPENMP else []
         return cpp_extension.load(
             name=f"vllm_dp_{pathlib.Path(source).stem}",
             sources=[str(CSRC / source)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp-simd"],
+            extra_cflags=["-O3", "-march=native", "-fopenmp-simd", *openmp],
+            extra_ldflags=openmp,
         )
     except Exception as err:  # noqa: BLE001 - any build failure means: use the torch path
         logger.warning("vllm-dp: C++ CPU kernel %s unavailable (%s); using torch", source, err)

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -27,6 +28,8 @@ double squared_distance(const float* row, const float* query, int64_t d) {
 }
 
 constexpr int64_t kBlock = 64;  // scores tested per vectorised step of the window scan
+constexpr int64_t kQueries = 8;  // int8 selection: queries per block (the rows' constants read once per block)
+constexpr int64_t kTile = 1024;  // int8 selection: rows per tile (their scores in L1)
 
 float row_min(const float* s, int64_t K) {
   float m = std::numeric_limits<float>::infinity();
@@ -42,12 +45,6 @@ bool any_within(const float* s, int64_t count, float threshold) {
   return hit != 0;
 }
 
-bool any_within_d(const double* s, int64_t count, double threshold) {
-  int hit = 0;
-#pragma omp simd reduction(| : hit)
-  for (int64_t k = 0; k < count; ++k) hit |= s[k] <= threshold;
-  return hit != 0;
-}
 
 }  // namespace
 
@@ -102,8 +99,9 @@ torch::Tensor select_within_bound(torch::Tensor scores, torch::Tensor slack, tor
 // t = 2 (r_err[k] ||r_i|| + r_coded[k] q_err[i]) + margin (r_sq[k] + q_sq[i]) of the exact score.
 // U = min_k (c + t) bounds the nearest row's exact score from above; among the rows with
 // c - t <= U (they hold the nearest row), the smallest float64 ||rows[k] - queries[i]||^2, exact
-// ties to the smallest k. Returns positions [n] int64. One pass computes c and its minimum; t is
-// evaluated only for the rows within 2 max_k t of that minimum (the others cannot set U nor pass).
+// ties to the smallest k. Returns positions [n] int64. One sweep over gram (the memory-bound part)
+// finds min c and keeps the rows within 2 max_k t of the running minimum (the others can neither
+// set U nor pass); t is evaluated for those rows only.
 torch::Tensor select_int8(torch::Tensor gram, torch::Tensor q_scale, torch::Tensor q_err, torch::Tensor q_sq,
                           torch::Tensor r_scale, torch::Tensor r_err, torch::Tensor r_coded, torch::Tensor r_sq,
                           double margin, torch::Tensor queries, torch::Tensor rows) {
@@ -132,45 +130,69 @@ torch::Tensor select_int8(torch::Tensor gram, torch::Tensor q_scale, torch::Tens
   const double err_max = r_err.max().item<double>(), coded_max = r_coded.max().item<double>();
   const double sq_max = r_sq.max().item<double>();
   bool finite = true;
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    std::vector<double> score(K);  // c of the current query
-    std::vector<int64_t> near;     // rows with c <= min c + 2 t_max: they hold min (c + t) and the window
-    for (int64_t i = begin; i < end; ++i) {
-      const int32_t* g = gp + i * K;
-      const double b2 = 2.0 * qbp[i], qn = std::sqrt(qsp[i]), qe = qep[i];
-      const double t_max = 2.0 * (err_max * qn + coded_max * qe) + margin * (sq_max + qsp[i]);
-      double least = std::numeric_limits<double>::infinity();
-#pragma omp simd reduction(min : least)
-      for (int64_t k = 0; k < K; ++k) {
-        score[k] = rsp[k] - b2 * rap[k] * static_cast<double>(g[k]);
-        least = score[k] < least ? score[k] : least;
+  at::parallel_for(0, (n + kQueries - 1) / kQueries, 1, [&](int64_t begin, int64_t end) {
+    // per query of a block: (k, c) of the rows that were within 2 t_max of the running min c when
+    // seen, a superset of the rows within 2 t_max of the final min (those hold min (c + t) and the window)
+    std::vector<std::pair<int64_t, double>> near[kQueries];
+    std::vector<double> score(kTile);  // c of one tile of rows for one query
+    for (int64_t block = begin; block < end; ++block) {
+      const int64_t i0 = block * kQueries, m = std::min(kQueries, n - i0);
+      double b2[kQueries], least[kQueries], reach[kQueries];
+      for (int64_t j = 0; j < m; ++j) {
+        const int64_t i = i0 + j;
+        const double qn = std::sqrt(qsp[i]);
+        b2[j] = 2.0 * qbp[i];
+        least[j] = std::numeric_limits<double>::infinity();
+        // a row with c > min c + t_max has c + t above the argmin's c + t; a row in the window
+        // (c - t <= U <= min c + t_max) has c <= min c + 2 t_max
+        reach[j] = 2.0 * (2.0 * (err_max * qn + coded_max * qep[i]) + margin * (sq_max + qsp[i]));
+        near[j].clear();
       }
-      if (!std::isfinite(least + t_max)) {
-        finite = false;
-        op[i] = -1;
-        continue;
+      // one sweep over G: each tile's c in L1, the rows' constants read once per block of queries
+      for (int64_t k0 = 0; k0 < K; k0 += kTile) {
+        const int64_t count = std::min(kTile, K - k0);
+        const double *sq = rsp + k0, *scale = rap + k0;
+        for (int64_t j = 0; j < m; ++j) {
+          const int32_t* g = gp + (i0 + j) * K + k0;
+          double low = least[j];
+#pragma omp simd reduction(min : low)
+          for (int64_t k = 0; k < count; ++k) {
+            score[k] = sq[k] - b2[j] * scale[k] * static_cast<double>(g[k]);
+            low = score[k] < low ? score[k] : low;
+          }
+          least[j] = low;
+          const double limit = low + reach[j];
+          for (int64_t k = 0; k < count; k += kBlock) {
+            const int64_t stop = std::min(k + kBlock, count);
+            int hit = 0;
+#pragma omp simd reduction(| : hit)
+            for (int64_t x = k; x < stop; ++x) hit |= score[x] <= limit;
+            if (!hit) continue;
+            for (int64_t x = k; x < stop; ++x)
+              if (score[x] <= limit) near[j].emplace_back(k0 + x, score[x]);
+          }
+        }
       }
-      // a row with c > min c + t_max has c + t above the argmin's c + t; a row in the window
-      // (c - t <= U <= min c + t_max) has c <= min c + 2 t_max
-      const double reach = least + 2.0 * t_max;
-      near.clear();
-      for (int64_t k0 = 0; k0 < K; k0 += kBlock) {
-        const int64_t stop = std::min(k0 + kBlock, K);
-        if (!any_within_d(score.data() + k0, stop - k0, reach)) continue;
-        for (int64_t k = k0; k < stop; ++k)
-          if (score[k] <= reach) near.push_back(k);
+      for (int64_t j = 0; j < m; ++j) {
+        const int64_t i = i0 + j;
+        if (!std::isfinite(least[j] + reach[j])) {
+          finite = false;
+          continue;
+        }
+        const double qn = std::sqrt(qsp[i]), qe = qep[i], limit = least[j] + reach[j];
+        auto slack = [&](int64_t k) { return 2.0 * (rep[k] * qn + rcp[k] * qe) + margin * (rsp[k] + qsp[i]); };
+        double upper = std::numeric_limits<double>::infinity();
+        for (const auto& [k, c] : near[j])
+          if (c <= limit) upper = std::min(upper, c + slack(k));
+        double best = std::numeric_limits<double>::infinity();
+        int64_t best_k = -1;
+        for (const auto& [k, c] : near[j]) {  // ascending k: a tie keeps the smaller k
+          if (c > limit || c - slack(k) > upper) continue;
+          const double dist = squared_distance(rp + k * d, qp + i * d, d);
+          if (dist < best) best = dist, best_k = k;
+        }
+        op[i] = best_k;
       }
-      auto slack = [&](int64_t k) { return 2.0 * (rep[k] * qn + rcp[k] * qe) + margin * (rsp[k] + qsp[i]); };
-      double upper = std::numeric_limits<double>::infinity();
-      for (int64_t k : near) upper = std::min(upper, score[k] + slack(k));
-      double best = std::numeric_limits<double>::infinity();
-      int64_t best_k = -1;
-      for (int64_t k : near) {  // ascending k: a tie keeps the smaller k
-        if (score[k] - slack(k) > upper) continue;
-        const double dist = squared_distance(rp + k * d, qp + i * d, d);
-        if (dist < best) best = dist, best_k = k;
-      }
-      op[i] = best_k;
     }
   });
   TORCH_CHECK(finite, "select_int8: non-finite scores (NaN or inf queries)");

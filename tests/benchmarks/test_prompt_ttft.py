@@ -15,11 +15,12 @@ def test_prompt_config_is_a_valid_dp_private_server(tmp_path):
     args = argparse.Namespace(mechanism="laplace", epsilon=7.0, search="hnsw")
     flags, env = config_of("prompt-int8", args, tmp_path)
     assert flags[flags.index("--tokenizer-mode") + 1] == "dp_private" and env["VLLM_PLUGINS"] == "dp_privacy"
+    assert "--disable-log-stats" in flags  # required where a request may pick paraphrase
     cfg = DPPrivacyConfig.from_dict(json.loads(flags[flags.index("--additional-config") + 1])["dp_privacy"])
     assert cfg.prompt.mechanism == "laplace" and cfg.prompt.epsilon == 7.0 and cfg.attention is None
     assert cfg.prompt.search == "hnsw" and cfg.prompt.fast_dtype == "int8"
     flags, env = config_of("stock", args, tmp_path)
-    assert flags == [] and env["VLLM_PLUGINS"] == ""
+    assert flags == ["--disable-log-stats"] and env["VLLM_PLUGINS"] == ""
 
 
 def test_summary_takes_the_median_run_and_judges_the_overhead():

@@ -120,3 +120,26 @@ def test_non_finite_queries_are_refused(select):
 def test_default_select_int8_is_the_fused_kernel_on_cpu_only():
     assert default_select_int8("cpu") is select_fused
     assert default_select_int8("meta") is select_torch
+
+
+def test_the_gram_buffer_is_reused_per_thread_and_caps_the_chunk(monkeypatch):
+    """A buffer of INT8_GRAM_BYTES caps the queries per GEMM (several chunks, one partial) and is
+    reused by the next call; another thread gets its own."""
+    import threading
+
+    import vllm_dp_plugin.prompt.nearest as nearest
+
+    rows = _rows(3)
+    queries = _queries(rows, 40)
+    monkeypatch.setattr(nearest, "INT8_GRAM_BYTES", 4 * rows.shape[0] * 37)  # 37 queries per GEMM
+    index = CandidateIndex.build(torch.arange(rows.shape[0]), rows, torch.int8)
+    expected = brute_force_nearest(queries, rows)
+    assert torch.equal(index.nearest(queries), expected)
+    buffer = index.scratch.gram
+    assert buffer.numel() == 37 * rows.shape[0]
+    assert torch.equal(index.nearest(queries[:5]), expected[:5]) and index.scratch.gram is buffer
+    other = []
+    thread = threading.Thread(target=lambda: other.append((index.nearest(queries), index.scratch.gram)))
+    thread.start()
+    thread.join()
+    assert torch.equal(other[0][0], expected) and other[0][1] is not buffer

@@ -53,13 +53,16 @@ SHAPES = {"demo": {}, "wide": {"hidden_size": 512, "intermediate_size": 1536, "n
 
 
 def config_of(name: str, args: argparse.Namespace, work: Path) -> tuple[list[str], dict]:
-    """(server flags, environment) of ``stock`` or ``prompt-<fast dtype>``."""
+    """(server flags, environment) of ``stock`` or ``prompt-<fast dtype>``; both without vLLM's
+    periodic stats log, which a server that may run private prompts must not have (a request may
+    pick ``paraphrase``: ``serving.http.check_log_stats``)."""
     if name == "stock":
-        return [], config_env("stock")
+        return ["--disable-log-stats"], config_env("stock")
     section = {"key_file": str(work / "noise.key"),
                "prompt": {"mechanism": args.mechanism, "epsilon": args.epsilon, "search": args.search,
                           "fast_dtype": name.removeprefix("prompt-")}}
-    flags = ["--tokenizer-mode", "dp_private", "--additional-config", json.dumps({"dp_privacy": section})]
+    flags = ["--disable-log-stats", "--tokenizer-mode", "dp_private",
+             "--additional-config", json.dumps({"dp_privacy": section})]
     return flags, config_env("dp_prompt")
 
 

@@ -26,7 +26,8 @@ vector with public data, so none of this affects privacy, only utility.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 
 import torch
 
@@ -40,6 +41,7 @@ from ..kernels.nearest_select import default_select_int8
 from ..kernels.types import FastPass, Int8Rows, Int8SelectPass, SelectPass
 
 FAST_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
+INT8_GRAM_BYTES = 1 << 26  # the int8 pass's reused [chunk, K] int32 buffer, per searching thread (64 MiB)
 BRUTE_FORCE_ELEMENTS = 1 << 22  # float64 elements of one brute-force [c, K, d] block (32 MiB)
 
 
@@ -106,7 +108,8 @@ def quantize_int8(vectors: torch.Tensor) -> Int8Rows:
 
 
 def certified_nearest_int8(
-    queries: torch.Tensor, rows: torch.Tensor, rows8: Int8Rows, select: Int8SelectPass
+    queries: torch.Tensor, rows: torch.Tensor, rows8: Int8Rows, select: Int8SelectPass,
+    gram: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Positions ``[n]`` in ``rows [K, d]`` (fp32, quantised as ``rows8``) of the nearest row to each
     query ``[n, d]`` (fp32), ties -> lowest position: the same answer as ``rerank_exact`` over every
@@ -119,11 +122,15 @@ def certified_nearest_int8(
     exact int32). ``U = min (c + t)`` bounds the nearest row's exact score from above, so the
     nearest row has ``c - t <= U``; only those rows are re-ranked. ``INT8_MARGIN (||e||^2 + ||r||^2)``
     in ``t`` covers the float64 rounding of the scores, the norms and the re-rank's distances
-    (each <= ~(d + 2) 2^-53 of that scale). Raises ValueError on non-finite queries."""
+    (each <= ~(d + 2) 2^-53 of that scale). ``gram``: an int32 buffer of at least ``n * K``
+    elements to write the products into (a fresh 100 MB tensor per call costs more in page faults
+    than the GEMM itself). Raises ValueError on non-finite queries."""
     if not bool(torch.isfinite(queries).all()):
         raise ValueError("nearest-candidate search: non-finite queries (NaN or inf)")
     q8 = quantize_int8(queries)
-    gram = torch._int_mm(q8.codes, rows8.codes.T)  # [n, K] int32, exact: |<E, R>| <= 127^2 d
+    shape = (queries.shape[0], rows.shape[0])
+    out = None if gram is None else gram.view(-1)[: shape[0] * shape[1]].view(shape)
+    gram = torch._int_mm(q8.codes, rows8.codes.T, out=out)  # [n, K] int32, exact: |<E, R>| <= 127^2 d
     return select(gram, q8, rows8, INT8_MARGIN, queries, rows)
 
 
@@ -153,6 +160,7 @@ class CandidateIndex:
     sq_norms: torch.Tensor
     fast_rows: torch.Tensor
     int8: Int8Rows | None = None
+    scratch: threading.local = field(default_factory=threading.local, repr=False)  # int8: gram buffers
 
     @classmethod
     def build(
@@ -168,6 +176,14 @@ class CandidateIndex:
             rows8 = quantize_int8(rows32)
             return cls(ids, rows32, rows32.pow(2).sum(-1), rows8.codes, rows8)
         return cls(ids, rows32, rows32.pow(2).sum(-1), rows32.to(fast_dtype))
+
+    def _gram(self, n: int) -> torch.Tensor:
+        """This thread's int32 buffer of at least ``n * K`` elements (grown, then reused)."""
+        need = n * self.rows.shape[0]
+        buffer = getattr(self.scratch, "gram", None)
+        if buffer is None or buffer.numel() < need:
+            buffer = self.scratch.gram = torch.empty(need, dtype=torch.int32, device=self.rows.device)
+        return buffer
 
     def to(self, device: torch.device | str) -> CandidateIndex:
         """This index with every tensor on ``device``."""
@@ -192,8 +208,10 @@ class CandidateIndex:
         queries32 = queries.to(device=self.rows.device, dtype=torch.float32)
         if self.int8 is not None:
             select8 = default_select_int8(self.rows.device)
+            chunk = max(1, min(chunk, INT8_GRAM_BYTES // (4 * self.rows.shape[0])))
+            gram = self._gram(min(chunk, queries32.shape[0]))
             positions = [
-                certified_nearest_int8(block, self.rows, self.int8, select8) for block in queries32.split(chunk)
+                certified_nearest_int8(block, self.rows, self.int8, select8, gram) for block in queries32.split(chunk)
             ]
         elif fast_pass is fast_topk_torch and self.fast_rows.dtype == torch.float32:
             # fp32 GEMM already: re-rank only the rows within its error bound of the best
