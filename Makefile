@@ -44,8 +44,11 @@ $(STAMP): pyproject.toml setup.py
 	$(PY) -c "from vllm_dp_plugin.kernels.cpu_extension import build_all; print('C++ CPU kernels built:', build_all())"
 	touch $(STAMP)
 
-test: $(STAMP)
-	$(PY) -m pytest
+# Two pytest-xdist workers (one per core on the 2-core CI box), a test file per worker at a time
+# (module fixtures start each engine once); the real models are converted first, not by two workers.
+TEST_WORKERS ?= 2
+test: $(STAMP) real-models
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 # The documentation site into site/ (MkDocs Material; the configuration and CLI references are
 # generated from the code at build time by docs/hooks/vllm_dp_docs.py). Broken links fail it.

@@ -547,7 +547,7 @@ class PromptPrivacyConfig:
     search (speed only: ``float32`` and ``int8`` are certified, the same answers as float64 brute
     force; ``auto``: ``int8`` on CPU, ``float32`` on CUDA); ``search_device``: where that search runs (``auto``: the API
     server's CUDA device when it has one, else CPU). ``search``: ``exact`` (default: the certified
-    fp32 search), or an approximate faiss-cpu index over the candidate rows built once at
+    int8 or fp32 search, as ``fast_dtype`` says), or an approximate faiss-cpu index over the candidate rows built once at
     start-up, ``hnsw`` (HNSW, M 32, efSearch 128) or ``ivf`` (IVF-Flat, nlist ~ 4 sqrt(K),
     nprobe 32), whose best 8 (at most ``topk``) are re-ranked exactly; approximate search runs on CPU and is
     post-processing of the noisy vector, so it moves utility and speed, never privacy (``expmech``
