@@ -127,7 +127,7 @@ def test_the_gram_buffer_is_reused_per_thread_and_caps_the_chunk(monkeypatch):
     reused by the next call; another thread gets its own."""
     import threading
 
-    import vllm_dp_plugin.prompt.nearest as nearest
+    from vllm_dp_plugin.prompt import nearest
 
     rows = _rows(3)
     queries = _queries(rows, 40)

@@ -14,7 +14,8 @@ With fp32 rows the two passes are one certified search: the fp32 GEMM, then a ``
 re-ranks only the rows within the GEMM's rounding-error bound of the best (``certified_nearest_fp32``;
 ``select_within_bound`` in torch, fused for CPU in ``kernels.nearest_select``). With int8 rows
 (``fast_dtype`` int8, the CPU default) the GEMM is an exact int8 x int8 -> int32 product of the
-quantised rows and queries (``torch._int_mm``: ~4x the fp32 GEMM's speed on an AVX2 CPU), and the
+quantised rows and queries (``torch._int_mm``: 512 x 49k x 576 in ~17 ms against ~230 ms for
+the fp32 GEMM on a 2-core CPU with AVX-512 VNNI), and the
 re-rank takes every row whose per-pair quantisation bound can reach the best
 (``certified_nearest_int8``; ~40 rows per query on SmolLM2's table at eps 10): the same answer.
 
@@ -151,8 +152,9 @@ class CandidateIndex:
     """The candidate table prepared for nearest-neighbour search.
 
     ``ids [K]`` int64 token ids (sorted ascending), ``rows [K, d]`` fp32, ``sq_norms [K]`` fp32
-    (``||rows||^2``), ``fast_rows [K, d]`` in the fast-pass dtype (fp32 or bf16; int8: the codes of
-    ``int8``, the quantised rows of the certified int8 pass, None otherwise).
+    (``||rows||^2``), ``fast_rows [K, d]`` in the fast-pass dtype (fp32, bf16, or int8: the codes of ``int8``,
+    the rows quantised for the certified int8 pass; ``int8`` is None for the other dtypes).
+    ``scratch``: per-thread buffers of the int8 pass (``_gram``).
     """
 
     ids: torch.Tensor

@@ -148,7 +148,7 @@ class PrivatizedPrompt:
 
 def fast_dtype(name: str, device: torch.device) -> torch.dtype:
     """The torch dtype of ``prompt.fast_dtype`` ``name`` for a search on ``device``: ``auto`` is
-    int8 on CPU (the exact int8 GEMM; ~4x fp32 on an AVX2 CPU) and float32 elsewhere; int8 runs on
+    int8 on CPU (the exact int8 GEMM, several times the fp32 GEMM's speed there) and float32 elsewhere; int8 runs on
     CPU only (ValueError)."""
     if name == "auto":
         name = "int8" if device.type == "cpu" else "float32"
