@@ -77,6 +77,7 @@ def test_fast_dtype_auto_is_int8_on_cpu_and_int8_is_cpu_only():
         fast_dtype("int8", torch.device("meta"))
     service = PromptPrivacy(make_table(), CFG)
     assert service._index.int8 is not None  # the default CPU search is the certified int8 pass
+    assert service.search.startswith("exact (certified int8 GEMM")
 
 
 def test_option_overrides_keeps_only_dp_options():

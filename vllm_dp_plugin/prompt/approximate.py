@@ -152,4 +152,8 @@ def describe_search(index: CandidateIndex | ApproximateIndex) -> str:
     """One phrase for the start-up log: which nearest-candidate search runs where."""
     if isinstance(index, ApproximateIndex):
         return f"approximate, {index.describe()}, on cpu"
+    if index.int8 is not None:
+        return f"exact (certified int8 GEMM + float64 re-rank), on {index.rows.device}"
+    if index.fast_rows.dtype == torch.bfloat16:
+        return f"exact (bf16 top-k + float64 re-rank), on {index.rows.device}"
     return f"exact (certified fp32 GEMM + float64 re-rank), on {index.rows.device}"
