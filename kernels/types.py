@@ -31,7 +31,7 @@ nearest by float64 ``direct_distances``; ties -> lowest position."""
 @dataclass(frozen=True)
 class Int8Rows:
     """Vectors ``v [m, d]`` (fp32 values) quantised for the certified int8 pass: ``codes [m, d]``
-    int8 in [-127, 127] and ``scale [m]`` float64, ``v ~ scale[:, None] * codes``; float64 ``[m]``:
+    int8 (queries in [-127, 127], rows in [-127, 127] or [-63, 63]: ``prompt.nearest``) and ``scale [m]`` float64, ``v ~ scale[:, None] * codes``; float64 ``[m]``:
     ``err = ||v - scale * codes||``, ``coded_norm = ||scale * codes||``, ``sq = ||v||^2``."""
 
     codes: torch.Tensor

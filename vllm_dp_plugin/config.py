@@ -545,7 +545,7 @@ class PromptPrivacyConfig:
     used by ``trlap_paper`` only. ``center``/``clip_quantile``: the embedding table's centring and
     clip norm (a quantile of the centred row norms). ``topk``/``fast_dtype``: nearest-candidate
     search (speed only: ``float32`` and ``int8`` are certified, the same answers as float64 brute
-    force; ``auto``: ``int8`` on CPU, ``float32`` on CUDA); ``search_device``: where that search runs (``auto``: the API
+    force; ``auto``: ``int8`` on CPU where torch's int8 GEMM is exact, ``float32`` otherwise); ``search_device``: where that search runs (``auto``: the API
     server's CUDA device when it has one, else CPU). ``search``: ``exact`` (default: the certified
     int8 or fp32 search, as ``fast_dtype`` says), or an approximate faiss-cpu index over the candidate rows built once at
     start-up, ``hnsw`` (HNSW, M 32, efSearch 128) or ``ivf`` (IVF-Flat, nlist ~ 4 sqrt(K),

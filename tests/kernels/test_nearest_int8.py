@@ -1,6 +1,11 @@
 """The certified int8 nearest-candidate pass (``prompt.nearest.certified_nearest_int8``): the
 per-pair bound holds, the fused CPU selection equals its torch reference, and the search equals
-float64 brute force (exact ties, near ties, far and zero queries, 10,240 noisy queries)."""
+float64 brute force (exact ties, near ties, far and zero queries, 10,240 noisy queries), also on
+oneDNN's AVX2 path, whose int8 GEMM saturates full-range row codes."""
+
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -10,7 +15,12 @@ from vllm_dp_plugin.kernels.nearest_select import _extension, default_select_int
 from vllm_dp_plugin.kernels.nearest_select import select_int8 as select_fused
 from vllm_dp_plugin.kernels.types import Int8Rows
 from vllm_dp_plugin.prompt import CandidateIndex, brute_force_nearest
-from vllm_dp_plugin.prompt.nearest import INT8_MARGIN, certified_nearest_int8, quantize_int8
+from vllm_dp_plugin.prompt.nearest import (
+    INT8_MARGIN,
+    certified_nearest_int8,
+    quantize_int8,
+    row_code_max,
+)
 
 pytestmark = pytest.mark.skipif(_extension() is None, reason="no C++ toolchain for the CPU kernel")
 
@@ -47,7 +57,7 @@ def test_the_per_pair_bound_holds(seed):
     """|c - exact| <= t for every (query, row), with c and t as the selection computes them."""
     rows = _rows(seed)
     queries = _queries(rows, seed + 10)
-    r8, q8 = quantize_int8(rows), quantize_int8(queries)
+    r8, q8 = quantize_int8(rows, row_code_max()), quantize_int8(queries)
     gram = torch._int_mm(q8.codes, r8.codes.T).double()
     assert torch.equal(gram, q8.codes.double() @ r8.codes.double().T)  # exact integers
     score = r8.sq[None] - 2.0 * q8.scale[:, None] * r8.scale[None] * gram
@@ -73,7 +83,7 @@ def test_certified_int8_equals_brute_force(seed):
 def test_fused_select_equals_the_torch_reference(seed):
     rows = _rows(seed, k=300)
     queries = _queries(rows, seed + 30)
-    r8 = quantize_int8(rows)
+    r8 = quantize_int8(rows, row_code_max())
     got = [certified_nearest_int8(queries, rows, r8, select) for select in SELECTS]
     assert torch.equal(got[0], got[1])
 
@@ -88,7 +98,7 @@ def test_the_rerank_decides_near_ties():
     t = 0.5 + 1e-3 * torch.randn(int(keep.sum()), 1, generator=g)
     queries = rows[a[keep]] * t + rows[b[keep]] * (1 - t)
     expected = brute_force_nearest(queries, rows)
-    r8, q8 = quantize_int8(rows), quantize_int8(queries)
+    r8, q8 = quantize_int8(rows, row_code_max()), quantize_int8(queries)
     gram = torch._int_mm(q8.codes, r8.codes.T).double()
     int8_only = (r8.sq[None] - 2.0 * q8.scale[:, None] * r8.scale[None] * gram).argmin(1)
     assert (int8_only != expected).sum() >= 50
@@ -114,7 +124,7 @@ def test_non_finite_queries_are_refused(select):
     queries = _queries(rows, 1)[:4]
     queries[1, 3] = float("inf")
     with pytest.raises(ValueError, match="non-finite"):
-        certified_nearest_int8(queries, rows, quantize_int8(rows), select)
+        certified_nearest_int8(queries, rows, quantize_int8(rows, row_code_max()), select)
 
 
 def test_default_select_int8_is_the_fused_kernel_on_cpu_only():
@@ -143,3 +153,24 @@ def test_the_gram_buffer_is_reused_per_thread_and_caps_the_chunk(monkeypatch):
     thread.start()
     thread.join()
     assert torch.equal(other[0][0], expected) and other[0][1] is not buffer
+
+
+AVX2_CHECK = """
+import torch
+from vllm_dp_plugin.prompt import CandidateIndex, brute_force_nearest
+from vllm_dp_plugin.prompt.nearest import int8_gemm_exact, row_code_max
+g = torch.Generator().manual_seed(8)
+rows = torch.randn(3000, 64, generator=g)
+rows[::7, 0] *= 30.0
+queries = (rows[torch.randint(0, 3000, (2048,), generator=g)] + torch.randn(2048, 64, generator=g)).float()
+index = CandidateIndex.build(torch.arange(3000), rows, torch.int8)
+print(int8_gemm_exact(127), row_code_max(), bool(torch.equal(index.nearest(queries), brute_force_nearest(queries, rows))))
+"""
+
+
+def test_on_onednns_avx2_path_full_range_rows_saturate_and_7_bit_rows_are_exact():
+    """ONEDNN_MAX_CPU_ISA=AVX2 (a CPU without VNNI): the probe finds full-range row codes inexact,
+    picks 63, and the certified search still equals brute force."""
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    out = subprocess.run([sys.executable, "-c", AVX2_CHECK], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "63", "True"]

@@ -27,6 +27,7 @@ vector with public data, so none of this affects privacy, only utility.
 
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass, field
 
@@ -95,17 +96,43 @@ def certified_nearest_fp32(
 
 
 INT8_MARGIN = 1e-11  # float64 slack of the int8 bound, relative to ||e||^2 + ||r||^2
+# Query codes in [-127, 127]; row codes in [-127, 127] where the int8 GEMM is exact with them, else
+# [-63, 63]: without VNNI (AVX2, AVX-512 before VNNI) oneDNN's int8 GEMM shifts the first operand by
+# 128 to u8 and adds pairs of u8 x s8 products in saturating int16, exact only while
+# 255 * 63 * 2 <= 32767 (measured with ONEDNN_MAX_CPU_ISA=AVX2: full-range rows give wrong sums,
+# 7-bit rows never do). ``row_code_max`` probes which holds, once per process.
+QUERY_CODE_MAX = 127
+ROW_CODE_MAXES = (127, 63)
 
 
-def quantize_int8(vectors: torch.Tensor) -> Int8Rows:
+def quantize_int8(vectors: torch.Tensor, code_max: int = QUERY_CODE_MAX) -> Int8Rows:
     """``Int8Rows`` of ``vectors [m, d]`` (fp32 values): one symmetric scale per vector,
-    ``max |v| / 127`` (1 for a zero vector), codes ``round(v / scale)``; every norm in float64."""
+    ``max |v| / code_max`` (1 for a zero vector), codes ``round(v / scale)`` in
+    ``[-code_max, code_max]``; every norm in float64."""
     v = vectors.to(torch.float64)
-    scale = v.abs().amax(dim=1) / 127.0 if v.shape[1] else v.new_ones(v.shape[0])
+    scale = v.abs().amax(dim=1) / code_max if v.shape[1] else v.new_ones(v.shape[0])
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    codes = torch.round(v / scale[:, None]).clamp_(-127, 127)
+    codes = torch.round(v / scale[:, None]).clamp_(-code_max, code_max)
     coded = codes * scale[:, None]
     return Int8Rows(codes.to(torch.int8), scale, (v - coded).norm(dim=1), coded.norm(dim=1), v.pow(2).sum(1))
+
+
+def int8_gemm_exact(row_max: int) -> bool:
+    """Whether ``torch._int_mm`` on this CPU sums query codes of [-127, 127] against row codes of
+    ``[-row_max, row_max]`` exactly: extreme and random codes against the int64 product."""
+    gen = torch.Generator().manual_seed(0)
+    queries = torch.randint(-QUERY_CODE_MAX, QUERY_CODE_MAX + 1, (32, 576), generator=gen, dtype=torch.int8)
+    rows = torch.randint(-row_max, row_max + 1, (64, 576), generator=gen, dtype=torch.int8)
+    queries[:8] = QUERY_CODE_MAX * queries[:8].sign()
+    rows[:8] = row_max * rows[:8].sign()
+    return torch.equal(torch._int_mm(queries, rows.T).long(), queries.long() @ rows.long().T)
+
+
+@functools.cache
+def row_code_max() -> int:
+    """The widest row code range of ``ROW_CODE_MAXES`` the int8 GEMM sums exactly on this CPU
+    (127 with VNNI, 63 without), or 0 when none (once per process)."""
+    return next((m for m in ROW_CODE_MAXES if int8_gemm_exact(m)), 0)
 
 
 def certified_nearest_int8(
@@ -175,7 +202,9 @@ class CandidateIndex:
             )
         rows32 = rows.to(torch.float32).contiguous()
         if fast_dtype == torch.int8:
-            rows8 = quantize_int8(rows32)
+            if not row_code_max():
+                raise ValueError("torch._int_mm is not exact on this CPU: use fast_dtype float32")
+            rows8 = quantize_int8(rows32, row_code_max())
             return cls(ids, rows32, rows32.pow(2).sum(-1), rows8.codes, rows8)
         return cls(ids, rows32, rows32.pow(2).sum(-1), rows32.to(fast_dtype))
 

@@ -35,6 +35,7 @@ from ..privacy.keyed_noise import fresh_generator, seeded_generator
 from .approximate import describe_search, search_index
 from .history import HistoryCache
 from .mechanisms import token_mechanism
+from .nearest import row_code_max
 from .options import (
     MAX_SESSION_CHARS,
     MIN_SESSION_CHARS,
@@ -148,10 +149,11 @@ class PrivatizedPrompt:
 
 def fast_dtype(name: str, device: torch.device) -> torch.dtype:
     """The torch dtype of ``prompt.fast_dtype`` ``name`` for a search on ``device``: ``auto`` is
-    int8 on CPU (the exact int8 GEMM, several times the fp32 GEMM's speed there) and float32 elsewhere; int8 runs on
+    int8 on CPU where torch's int8 GEMM is exact (``nearest.row_code_max``; several times the
+    fp32 GEMM's speed) and float32 elsewhere; int8 runs on
     CPU only (ValueError)."""
     if name == "auto":
-        name = "int8" if device.type == "cpu" else "float32"
+        name = "int8" if device.type == "cpu" and row_code_max() else "float32"
     if name == "int8" and device.type != "cpu":
         raise ValueError(f"prompt.fast_dtype int8 runs on CPU only, the search device is {device}")
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}[name]
