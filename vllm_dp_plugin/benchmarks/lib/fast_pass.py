@@ -16,7 +16,6 @@ import time
 
 import torch
 
-from vllm_dp_plugin.config import PromptPrivacyConfig
 from vllm_dp_plugin.prompt.mechanisms import token_mechanism
 from vllm_dp_plugin.prompt.privatizer import candidate_index
 
@@ -27,18 +26,9 @@ DTYPES = {"float32": torch.float32, "int8": torch.int8}
 def compare(model: str, *, queries: int = 10240, repeats: int = 5, seed: int = 0) -> dict:
     """Identical answers of the int8 and fp32 passes on ``queries`` noisy vectors of ``model``'s
     table, and their speed on 512 of them."""
-    from transformers import AutoTokenizer
+    from vllm_dp_plugin.benchmarks.lib.prompt_search import english_ids, model_table
 
-    from vllm_dp_plugin.benchmarks.lib.prompt_search import english_ids
-    from vllm_dp_plugin.serving.prompt_table import (
-        build_table,
-        load_embedding_matrix,
-        special_token_ids,
-    )
-
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    table, info = build_table(load_embedding_matrix(model), len(tokenizer), special_token_ids(tokenizer),
-                              PromptPrivacyConfig())
+    tokenizer, table, info = model_table(model)
     indexes = {name: candidate_index(table, dtype) for name, dtype in DTYPES.items()}
     ids = english_ids(tokenizer, -(-queries // len(EPSILONS)), seed)
     gen = torch.Generator().manual_seed(seed)

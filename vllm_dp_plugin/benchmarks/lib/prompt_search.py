@@ -98,9 +98,9 @@ def compare(table, approx: ApproximateIndex, ids: torch.Tensor, *, mechanisms: S
             "max_nw_gap": worst, "verdict": "PASS" if worst <= MAX_NW_GAP else "FAIL"}
 
 
-def model_comparison(model: str, search: str, *, tokens: int = 4096, **kw) -> dict:
-    """``compare`` on ``model``'s own table (``serving.prompt_table``: the server's candidates,
-    centring and clipping of the default ``PromptPrivacyConfig``) with a fresh ``search`` index."""
+def model_table(model: str):
+    """(tokenizer, ``EmbeddingTable``, ``TableInfo``) of ``model`` as its server builds them
+    (``serving.prompt_table``: candidates, centring and clipping of the default ``PromptPrivacyConfig``)."""
     from transformers import AutoTokenizer
 
     from vllm_dp_plugin.serving.prompt_table import (
@@ -112,6 +112,12 @@ def model_comparison(model: str, search: str, *, tokens: int = 4096, **kw) -> di
     tokenizer = AutoTokenizer.from_pretrained(model)
     table, info = build_table(load_embedding_matrix(model), len(tokenizer), special_token_ids(tokenizer),
                               PromptPrivacyConfig())
+    return tokenizer, table, info
+
+
+def model_comparison(model: str, search: str, *, tokens: int = 4096, **kw) -> dict:
+    """``compare`` on ``model``'s own table (``model_table``) with a fresh ``search`` index."""
+    tokenizer, table, info = model_table(model)
     start = time.perf_counter()
     approx = ApproximateIndex.build(candidate_index(table), search)
     built = time.perf_counter() - start
