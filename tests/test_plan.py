@@ -147,6 +147,25 @@ def test_aggregate_statement_protects_which_documents_exist_and_states_replace_o
     assert all(key in report["not_protected"] for key in ("members", "max_document_tokens", "max_member_tokens"))
 
 
+@pytest.mark.parametrize("grouped", [None, 16])
+def test_answer_members_calibrate_for_two_keys_per_document_at_the_stated_epsilon(grouped):
+    """One member per document: one vote comes or goes (l0 = 1). Grouped members
+    (``answer_members``): a document can switch its member's vote from one key to another, two
+    counts move (l0 = 2): scale 2 / eps, and the statement says so, at the same stated eps."""
+    from vllm_dp_plugin.plan import aggregate_report, aggregation_params
+
+    agg = DPPrivacyConfig.from_dict({"aggregate": {"contexts": {"docs": "d.jsonl"}, "mechanism": "answer",
+                                                   "epsilon": 4.0, "answer_members": grouped}}).aggregate
+    l0 = 1 if grouped is None else 2
+    release = aggregation_params(agg).release
+    assert release.l0 == l0 and release.scale == pytest.approx(l0 / 4.0)
+    assert release.budget.epsilon == pytest.approx(4.0) and release.budget.delta <= agg.delta
+    report = aggregate_report(agg, "docs", None)
+    assert report["selection"]["keys_per_document"] == l0
+    assert report["per_query"]["worst_case"]["epsilon"] == pytest.approx(4.0)
+    assert ("one vote per document" in report["statement"]) == (grouped is None)
+
+
 def test_a_request_below_the_minimum_epsilon_is_refused_naming_it():
     from vllm_dp_plugin.plan import aggregation_params
 

@@ -512,15 +512,22 @@ def aggregation_params(cfg: AggregatePrivacyConfig, epsilon: float | None = None
         raise ValueError(f"dp_epsilon must lie in [{cfg.min_epsilon:g}, {cfg.cap:g}] (aggregate.min_epsilon, "
                          f"aggregate.max_epsilon), got {eps:g}")
     if cfg.mechanism == ANSWER:
-        return _answer_params(eps, cfg.delta)
+        return _answer_params(eps, cfg.delta, answer_l0(cfg))
     return _aggregation_params(cfg.mechanism, cfg.members, eps, cfg.delta, cfg.max_private_tokens,
                                cfg.gate_fraction, cfg.clip, cfg.threshold, cfg.choices, cfg.confidence,
                                cfg.min_epsilon)
 
 
+def answer_l0(cfg: AggregatePrivacyConfig) -> int:
+    """How many keys' counts one document moves under ``mechanism: answer``: 1 with a member per
+    document (its vote comes or goes), 2 with ``answer_members`` (a member of several documents
+    may switch its vote from one key to another when one of them is removed)."""
+    return 1 if cfg.answer_members is None else 2
+
+
 @functools.lru_cache(maxsize=256)
-def _answer_params(eps: float, delta: float) -> AnswerParams:
-    return AnswerParams.calibrated(Budget(eps, delta))
+def _answer_params(eps: float, delta: float, l0: int) -> AnswerParams:
+    return AnswerParams.calibrated(Budget(eps, delta), l0)
 
 
 @functools.lru_cache(maxsize=256)
@@ -554,7 +561,8 @@ def aggregate_report(cfg: AggregatePrivacyConfig, name: str, ledger: BudgetStatu
     if isinstance(params, AnswerParams):
         release = params.release
         members = "one per document" if cfg.answer_members is None else f"{cfg.answer_members} by keyed hash"
-        report.update(members=members, selection={"scale": release.scale, "threshold": release.threshold},
+        report.update(members=members, selection={"scale": release.scale, "threshold": release.threshold,
+                                                  "keys_per_document": release.l0},
                       composition="per query: one discrete-Laplace partition selection (exact release "
                                   "probabilities); over queries: basic")
     else:

@@ -266,24 +266,29 @@ class SparseVector:
 
 @dataclass(frozen=True)
 class AnswerParams:
-    """Answer-level aggregation (``mechanism: answer``): each member (one document) answers the
-    question and votes for one key (``aggregate.answer``), and one DP partition selection over
-    the votes (``release``: discrete Laplace noise and a threshold) releases the keys enough
-    members agree on. Adding or removing a document adds or removes one member's vote: one key's
-    count moves by 1 (l0 = 1); a replacement moves two keys (2 eps, 2 delta). One release per
-    query, whatever it finds: it settles its whole (eps, delta)."""
+    """Answer-level aggregation (``mechanism: answer``): each member answers the question and
+    votes for one key (``aggregate.answer``), and one DP partition selection over the votes
+    (``release``: discrete Laplace noise and a threshold) releases the keys enough members agree
+    on. With one member per document, adding or removing a document adds or removes one vote:
+    one key's count moves by 1 (l0 = 1). With members of several documents (``answer_members``)
+    removing one document can switch its member's vote from key A to key B: two counts move
+    (l0 = 2), and the release is calibrated for that (scale 2 / eps, delta for two keys). A
+    replacement is two such changes (2 eps, 2 delta). One release per query, whatever it finds:
+    it settles its whole (eps, delta)."""
 
     release: ThresholdRelease
     mechanism: str = ANSWER
 
     @classmethod
-    def calibrated(cls, budget: Budget) -> AnswerParams:
-        return cls(ThresholdRelease.calibrated(budget.epsilon, budget.delta))
+    def calibrated(cls, budget: Budget, l0: int = 1) -> AnswerParams:
+        """The release of ``budget`` for votes that one document moves on ``l0`` keys."""
+        return cls(ThresholdRelease.calibrated(budget.epsilon, budget.delta, l0))
 
     @property
     def worst_case(self) -> Budget:
         return self.release.budget
 
     def statement(self) -> str:
-        return (f"answer: one vote per document, {self.release.statement()}; at most {self.worst_case} per query; "
-                f"unit: {UNIT}")
+        votes = ("one vote per document" if self.release.l0 == 1 else
+                 f"one vote per member of several documents (one document moves {self.release.l0} keys' counts)")
+        return f"answer: {votes}, {self.release.statement()}; at most {self.worst_case} per query; unit: {UNIT}"
