@@ -306,6 +306,12 @@ class AggregatePrivacyConfig:
     threshold at the query's (epsilon, delta)) releases the keys enough members agree on, and the
     model answers the conversation with the most agreed one as a fact. Nothing released:
     ``on_empty`` ``public`` answers without the documents, ``refuse`` says so.
+
+    The members of a query (and the public sequence) run in one engine batch; the guarantee
+    assumes a sequence's outputs do not depend on what else is in the batch (else one document
+    could move other members' votes). The CPU engine (float32) is measured to be; elsewhere the
+    server requires ``VLLM_BATCH_INVARIANT=1``, unless ``allow_batch_variance`` is set, which the
+    statement then lists as not protected.
     """
 
     contexts: dict[str, str] | str
@@ -334,9 +340,12 @@ class AggregatePrivacyConfig:
     answer_instruction: str = ANSWER_INSTRUCTION
     on_empty: str = "public"
     answer_members: int | None = None
+    allow_batch_variance: bool = False
 
     def __post_init__(self) -> None:
         _choice(self.mechanism, (*AGGREGATION_MECHANISMS, ANSWER), "aggregate.mechanism")
+        if not isinstance(self.allow_batch_variance, bool):
+            raise ConfigError(f"aggregate.allow_batch_variance must be true or false, got {self.allow_batch_variance!r}")
         _choice(self.on_empty, ON_EMPTY, "aggregate.on_empty")
         _check(check_count, self.answer_tokens, "aggregate.answer_tokens")
         if self.answer_members is not None:

@@ -501,6 +501,13 @@ AGGREGATE_NOT_PROTECTED = (
 )
 
 
+BATCH_INVARIANCE = ("a sequence's outputs do not depend on the rest of its engine batch (a query's members decode "
+                    "together): measured on the CPU engine (float32); elsewhere VLLM_BATCH_INVARIANT=1 is required "
+                    "unless aggregate.allow_batch_variance is set")
+BATCH_VARIANCE = ("; and, with aggregate.allow_batch_variance, batch composition: on an engine that is not "
+                  "batch-invariant one document can change other members' answers (several votes) at rounding level")
+
+
 def aggregation_params(cfg: AggregatePrivacyConfig, epsilon: float | None = None) -> AggregationParams | AnswerParams:
     """One query's mechanism at per-query ``epsilon`` (default ``cfg.epsilon``; from
     ``cfg.min_epsilon`` to ``cfg.cap``): per-step epsilons calibrated so that its worst case fits
@@ -555,7 +562,8 @@ def aggregate_report(cfg: AggregatePrivacyConfig, name: str, ledger: BudgetStatu
                       "worst_case": {"epsilon": params.worst_case.epsilon, "delta": params.worst_case.delta}},
         "max_queries": max_queries(cfg),
         "budget": {"epsilon": cfg.total_epsilon, "delta": cfg.total_delta},
-        "not_protected": AGGREGATE_NOT_PROTECTED,
+        "not_protected": AGGREGATE_NOT_PROTECTED + (BATCH_VARIANCE if cfg.allow_batch_variance else ""),
+        "assumes": BATCH_INVARIANCE,
         "statement": params.statement(),
     }
     if isinstance(params, AnswerParams):

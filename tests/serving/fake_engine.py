@@ -20,9 +20,14 @@ class FakeEngine:
     vocab: int
     max_model_len: int
     fail: bool = False  # every sub-request raises (an engine error inside a query)
-    calls: list[dict] = field(default_factory=list)  # {"ids", "cache_salt", "request_id"} per sub-request
+    calls: list[dict] = field(default_factory=list)  # {"ids", "cache_salt", "request_id", "params"} per sub-request
     # a generation longer than one token (mechanism answer: members, the public answer): its text
     write: Callable[[list[int]], str] = lambda ids: "NONE"
+    # the text's token ids (a tokenizer's encode; members are read from their ids); the ids of an
+    # ``ignore_eos`` request are the text's, then ``eos``, then ``filler``, to ``max_tokens``
+    encode: Callable[[str], list[int]] | None = None
+    eos: int = 2
+    filler: int = 3
 
     def logprobs(self, ids: list[int]) -> np.ndarray:
         """``[vocab]`` log-probabilities of the next token: seeded by the prompt's ids."""
@@ -32,7 +37,8 @@ class FakeEngine:
 
     async def generate(self, prompt: dict, params, request_id: str):
         ids = list(prompt["prompt_token_ids"])
-        self.calls.append({"ids": ids, "cache_salt": prompt.get("cache_salt"), "request_id": request_id})
+        self.calls.append({"ids": ids, "cache_salt": prompt.get("cache_salt"), "request_id": request_id,
+                           "params": params})
         await asyncio.sleep(0)
         if not ids:
             raise ValueError("The decoder prompt cannot be empty")
@@ -41,7 +47,10 @@ class FakeEngine:
                              f"of {self.max_model_len}.")
         if params.max_tokens > 1:
             text = self.write(ids)[: 8 * params.max_tokens]
-            out = SimpleNamespace(text=text, token_ids=list(range(len(text.split()))), finish_reason="stop")
+            tokens = self.encode(text) if self.encode else list(range(len(text.split())))
+            if params.ignore_eos:  # like vLLM: the end token does not stop it, max_tokens does
+                tokens = ([*tokens, self.eos] + [self.filler] * params.max_tokens)[: params.max_tokens]
+            out = SimpleNamespace(text=text, token_ids=tokens, finish_reason="length" if params.ignore_eos else "stop")
             yield SimpleNamespace(outputs=[out])
             return
         lp = self.logprobs(ids)

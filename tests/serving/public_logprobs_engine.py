@@ -1,6 +1,9 @@
-"""The public sequence's next-token log-probabilities on a CPU engine, asked alone and batched
-with the members of two neighbouring collections (DP aggregation's step): prints one ``RESULT
-{json}`` line, ``{"alone" | "A" | "B": {token id: logprob}}`` (top 20). Argument: the model."""
+"""Batch invariance on a CPU engine, for neighbouring collections A and B (B lacks one document):
+the public sequence's next-token log-probabilities asked alone and batched with the members of
+each (DP aggregation's step: ``{"alone" | "A" | "B": {token id: logprob}}``, top 20), and
+``mechanism: answer``'s member answers (one member per document, all in one batch, greedy,
+``ANSWER_TOKENS`` tokens, EOS ignored: ``{"answers_A" | "answers_B": {document: token ids}}``).
+Prints one ``RESULT {json}`` line. Argument: the model."""
 
 import json
 import sys
@@ -8,6 +11,8 @@ import sys
 DOCS = [f"Memo {i}: the Harlow Freight depot number {i} closes at {i % 12 + 1} pm and opens at 7 am." for i in range(12)]
 QUESTION = [{"role": "user", "content": "When does depot 3 close?"}]
 MEMBERS = 4
+ANSWER_TOKENS = 16
+REMOVED = 5
 
 
 def main(model: str) -> dict:
@@ -33,6 +38,11 @@ def main(model: str) -> dict:
                         ("B", [public, *members(DOCS[:5] + DOCS[6:])])):
         first = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)[0]
         out[name] = {str(t): lp.logprob for t, lp in first.outputs[0].logprobs[0].items()}
+    answer = SamplingParams(max_tokens=ANSWER_TOKENS, temperature=0.0, ignore_eos=True)
+    for name, kept in (("answers_A", range(len(DOCS))), ("answers_B", [i for i in range(len(DOCS)) if i != REMOVED])):
+        prompts = [ids([{"role": "system", "content": f"Document: {DOCS[i]}"}, *QUESTION]) for i in kept]
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], answer, use_tqdm=False)
+        out[name] = {str(i): list(o.outputs[0].token_ids) for i, o in zip(kept, outputs, strict=True)}
     return out
 
 

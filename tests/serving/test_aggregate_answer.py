@@ -4,6 +4,7 @@ member answers, one partition selection, the released fact in the public prompt,
 ledger, receipts and ``on_empty`` around it."""
 
 import asyncio
+import functools
 import json
 
 import pytest
@@ -48,8 +49,14 @@ def ask(svc, question: str, **body) -> tuple[int, dict]:
     return reply.status_code, json.loads(reply.body)
 
 
+def answer_engine(tok, cls=FakeEngine, **kw) -> FakeEngine:
+    """A fake engine whose members answer as ``member_writer`` says, in the tokenizer's ids."""
+    return cls(len(tok), MAX_MODEL_LEN, write=member_writer(tok), eos=tok.eos_token_id,
+               encode=lambda text: tok.encode(text, add_special_tokens=False), **kw)
+
+
 def answer_service(tmp_path, tok, **settings):
-    engine = FakeEngine(len(tok), MAX_MODEL_LEN, write=member_writer(tok))
+    engine = answer_engine(tok)
     svc = service(tmp_path, tok, DOCS, engine, mechanism="answer", max_tokens=16, answer_tokens=8, **settings)
     return svc, engine
 
@@ -70,6 +77,28 @@ def test_one_member_per_document_one_batch_and_the_shared_fact_released(tmp_path
     assert receipt["noisy_count"] >= 5  # the threshold at eps 4, delta 1e-6
     assert receipt["epsilon"] == svc.cfg.epsilon and 0 < receipt["delta"] <= svc.cfg.delta
     assert receipt["requested_epsilon"] == receipt["epsilon"] and queries(svc) == 1
+
+
+def test_every_member_decodes_exactly_answer_tokens_and_is_cut_afterwards(tmp_path, tokenizer):  # noqa: F811
+    """The timing channel: members stopped at "\n" or EOS, and the reply waited for all of them,
+    so "if your document mentions X, repeat it" made a matching document add decode steps. Now
+    every member request decodes exactly ``answer_tokens`` tokens (EOS ignored, no stop
+    strings) and its answer is cut at the first EOS and line break afterwards: the same votes."""
+    from vllm_dp_plugin.serving.aggregate import member_text
+
+    svc, engine = answer_service(tmp_path, tokenizer)
+    status, body = ask(svc, INVENTORY)
+    assert status == 200 and body["dp_receipt"]["fact"] == "14 quintember"
+    members = engine.calls[:-1]
+    for call in members:
+        params = call["params"]
+        assert params.max_tokens == svc.cfg.answer_tokens and params.ignore_eos and not params.stop
+        assert not params.stop_token_ids and params.min_tokens == 0  # EOS is generated, not masked
+    eos, enc = tokenizer.eos_token_id, functools.partial(tokenizer.encode, add_special_tokens=False)
+    stops = (eos,)
+    assert member_text(tokenizer, [*enc("14 Quintember"), eos, *enc("more words")], stops) == "14 Quintember"
+    assert member_text(tokenizer, enc("14 Quintember\nAnd then"), stops) == "14 Quintember"
+    assert member_text(tokenizer, [*enc("\n"), *enc("14 Quintember")], stops) == ""  # as a stop at "\n" did
 
 
 def test_a_secret_one_document_states_is_not_released(tmp_path, tokenizer):  # noqa: F811
@@ -143,7 +172,7 @@ def test_the_members_of_one_query_and_of_concurrent_queries_are_in_the_engine_to
     """The engine gets every member of a query at once (one batch: `asyncio.gather`, no lock or
     semaphore), and the members of queries in flight side by side; the public answer after its
     query's members (the release needs them all)."""
-    engine = CountingEngine(len(tokenizer), MAX_MODEL_LEN, write=member_writer(tokenizer))
+    engine = answer_engine(tokenizer, CountingEngine)
     engine.hold = len(DOCS)
     svc = service(tmp_path, tokenizer, DOCS, engine, mechanism="answer", max_tokens=16, answer_tokens=8)
     ask(svc, INVENTORY)
@@ -172,7 +201,7 @@ def test_neighbouring_collections_give_the_same_bytes_but_for_the_dp_outputs(tmp
     import logging
 
     def neighbour(docs, **kw):
-        engine = FakeEngine(len(tokenizer), MAX_MODEL_LEN, write=member_writer(tokenizer), **kw)
+        engine = answer_engine(tokenizer, **kw)
         return service(tmp_path, tokenizer, docs, engine, mechanism="answer", max_tokens=16, answer_tokens=8)
 
     pair = (DOCS, [d for d in DOCS if d[0] != removed])
@@ -198,7 +227,7 @@ def test_the_released_count_carries_discrete_laplace_noise_of_scale_one_over_eps
     import numpy as np
 
     docs = [(f"d{i}", f"Memo {i}: the Harlow depot closes for inventory on 14 Quintember.") for i in range(30)]
-    engine = FakeEngine(len(tokenizer), MAX_MODEL_LEN, write=member_writer(tokenizer))
+    engine = answer_engine(tokenizer)
     svc = service(tmp_path, tokenizer, docs, engine, mechanism="answer", max_tokens=4, answer_tokens=8,
                   epsilon=1.0, total_epsilon=1000.0)
     counts = [ask(svc, INVENTORY)[1]["dp_receipt"]["noisy_count"] for _ in range(100)]

@@ -135,6 +135,57 @@ def test_members_carry_a_secret_cache_salt_and_the_public_sequence_a_fresh_one(t
     assert len(set(public_salts)) == 2 and not set(public_salts) & member_salts  # fresh per query
 
 
+@pytest.mark.parametrize("mechanism", ["vote", "answer"])
+def test_no_client_chosen_sequence_runs_under_the_members_salt_empty_members_included(tmp_path, tokenizer, mechanism):
+    """An empty member (a member no document hashed to) sees the client's conversation alone.
+    Under the members' secret salt, a conversation that starts with a guessed ``Document:
+    <text>`` system turn would share cached blocks with the member holding that text, and its
+    time to first byte would tell the guess. Every sub-request under the members' salt starts
+    with a member's documents; empty members get a fresh salt per query."""
+    key = tmp_path / "noise.key"  # a fixed key: 2 documents in 8 members leave empty ones
+    key.write_bytes(bytes(range(32)))
+    key.chmod(0o600)
+    grouping = {"answer_members": 8} if mechanism == "answer" else {"members": 8}
+    svc = service(tmp_path, tokenizer, [(f"d{i}", t) for i, t in enumerate(DOCS[:2])], mechanism=mechanism,
+                  max_tokens=2, **grouping)
+    prefixes = svc.collections["c"].member_prefixes
+    assert 0 < sum(not p for p in prefixes) < len(prefixes)
+    guess = [{"role": "system", "content": "Document: " + DOCS[0]}, {"role": "user", "content": "Hi"}]
+    for _ in range(2):
+        assert answer(svc, "/v1/chat/completions", {"messages": guess, "max_tokens": 2})[0] == 200
+    calls = svc.source.engine.calls
+    secret = [c for c in calls if c["cache_salt"] == svc.source.member_salt]
+    assert secret and all(any(p and c["ids"][:len(p)] == list(p) for p in prefixes) for c in secret)
+    empty = {c["cache_salt"] for c in calls if c["cache_salt"] != svc.source.member_salt}
+    assert len(empty) >= 2  # fresh per query
+
+
+def test_aggregation_off_the_cpu_needs_a_batch_invariant_engine_or_the_risk_stated(monkeypatch):
+    """A query's members decode in one batch: where the engine is not batch-invariant one document
+    could change other members' answers. The CPU engine is (test_batch_invariance.py); a GPU
+    engine must run with VLLM_BATCH_INVARIANT=1, or the operator states the risk."""
+    from vllm import envs
+    from vllm.platforms import current_platform
+
+    from vllm_dp_plugin.plan import aggregate_report
+    from vllm_dp_plugin.serving.aggregate import check_batch_invariance
+
+    cfg = AggregatePrivacyConfig(contexts={"c": "docs.jsonl"}, mechanism="answer")
+    check_batch_invariance(cfg)  # this CPU engine
+    monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: False)
+    monkeypatch.setattr(envs, "VLLM_BATCH_INVARIANT", False, raising=False)
+    with pytest.raises(ConfigError, match="VLLM_BATCH_INVARIANT=1"):
+        check_batch_invariance(cfg)
+    allowed = AggregatePrivacyConfig(contexts={"c": "docs.jsonl"}, mechanism="answer", allow_batch_variance=True)
+    check_batch_invariance(allowed)
+    assert "batch composition" in aggregate_report(allowed, "c", None)["not_protected"]
+    assert "batch composition" not in aggregate_report(cfg, "c", None)["not_protected"]
+    monkeypatch.setattr(envs, "VLLM_BATCH_INVARIANT", True, raising=False)
+    check_batch_invariance(cfg)
+    with pytest.raises(ConfigError, match="allow_batch_variance"):
+        AggregatePrivacyConfig(contexts={"c": "docs.jsonl"}, allow_batch_variance="yes")
+
+
 def test_metrics_are_closed_and_the_stats_log_is_off_while_private_prompts_run(tmp_path):
     app = FastAPI()
     app.add_middleware(PrivateContextGuard)

@@ -94,7 +94,8 @@ def test_one_document_moving_two_counts_stays_within_the_receipts_epsilon(tmp_pa
     larger, smaller = collections(NoiseKey(tmp_path / "noise.key"))
     seen = {}
     for name, docs in (("larger", larger), ("smaller", smaller)):
-        engine = FakeEngine(len(tokenizer), MAX_MODEL_LEN, write=writer(tokenizer))
+        engine = FakeEngine(len(tokenizer), MAX_MODEL_LEN, write=writer(tokenizer), eos=tokenizer.eos_token_id,
+                            encode=functools.partial(tokenizer.encode, add_special_tokens=False))
         svc = service(tmp_path, tokenizer, docs, engine, mechanism="answer", answer_members=MEMBERS,
                       epsilon=EPSILON, total_epsilon=10 * N, total_delta=0.5, max_tokens=4, answer_tokens=8,
                       max_member_tokens=MAX_MODEL_LEN // 2)

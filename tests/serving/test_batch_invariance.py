@@ -1,7 +1,11 @@
 """Batch invariance: DP aggregation's public sequence runs in the same engine batches as the
-members, and vLLM is not batch-invariant in general. On the CPU engine (float32) its next-token
-log-probabilities are bit-identical whether it runs alone or beside either of two neighbouring
-collections' members (measured; SECURITY.md states what holds on other devices)."""
+members, and all members of a ``mechanism: answer`` query decode in one batch; vLLM is not
+batch-invariant in general, and where it is not, one more document in the batch could flip other
+members' greedy answers (one document would move several votes: l0 > 1). On the CPU engine
+(float32) the public next-token log-probabilities are bit-identical alone and beside either of two
+neighbouring collections' members, and every member's answer is the same token for token with and
+without one more document's member in the batch (measured; off the CPU the server requires
+``VLLM_BATCH_INVARIANT=1``, SECURITY.md)."""
 
 import json
 import os
@@ -25,3 +29,6 @@ def test_the_public_distribution_does_not_move_with_the_members_batch():
     got = json.loads(lines[-1][len("RESULT "):])
     assert len(got["alone"]) >= 20
     assert got["A"] == got["alone"] and got["B"] == got["alone"]  # exact: same tokens, same floats
+    shared = got["answers_B"]
+    assert len(shared) == len(got["answers_A"]) - 1 and all(len(t) == 16 for t in shared.values())
+    assert {d: got["answers_A"][d] for d in shared} == shared  # the other members' answers, token for token

@@ -18,8 +18,9 @@ and the members' token counts never reach a response or a log: a member's length
 against a public bound (``max_member_tokens``) at start-up, a request against that bound before
 anything is reserved, and an engine error inside a query becomes one fixed, text-free error
 (``QUERY_FAILED``) and one fixed log line. The engine's prefix cache cannot be probed: member
-sub-requests carry a secret per-deployment ``cache_salt`` (keyed), the public sequence a fresh
-random one per query, so no client-chosen sequence shares a cached block with a member.
+sub-requests carry a secret per-deployment ``cache_salt`` (keyed), the public sequence and any
+empty member (whose prompt is the client's conversation alone) a fresh random one per query, so no
+client-chosen sequence shares a cached block with a member that holds documents.
 Budget: a query reserves its worst case in the persistent ledger before any member is computed
 (HTTP 429 with the remaining budget when it does not fit) and settles what it spent when it ends
 (the worst case if it fails).
@@ -104,11 +105,35 @@ def fact_prompt(tokenizer, fact: str, limit: int) -> tuple[list[int], str]:
     return chat_prefix_ids(tokenizer, FACT.format(fact=fact)), REPLY.format(fact=fact)
 
 
+def member_text(tokenizer, ids: list[int], stop_ids: tuple[int, ...]) -> str:
+    """A member's answer as it ends: its tokens before the first stop token (EOS), decoded,
+    up to the first line break (what a request stopping at EOS and at "\n" returned)."""
+    cut = next((i for i, t in enumerate(ids) if t in stop_ids), len(ids))
+    return tokenizer.decode(ids[:cut], skip_special_tokens=True).split("\n", 1)[0]
+
+
 def fact_room(tokenizer, answer_tokens: int) -> int:
     """Tokens the released fact's system turn and reply start may take (the fact twice, each at
     most ``answer_tokens`` tokens): within the member bound, so ``_check_room`` covers them."""
     system, reply = fact_prompt(tokenizer, "", 0)
     return len(system) + len(tokenizer.encode(reply, add_special_tokens=False)) + 2 * answer_tokens
+
+
+def check_batch_invariance(cfg: AggregatePrivacyConfig) -> None:
+    """Refuse to serve DP aggregation on an engine that is not batch-invariant (ConfigError
+    naming the setting): a query's members decode in one batch, and where one more sequence in
+    the batch can change another's greedy tokens, one document could move several members'
+    votes. The CPU engine (float32) is measured to be invariant
+    (``tests/serving/test_batch_invariance.py``); elsewhere vLLM is only with
+    ``VLLM_BATCH_INVARIANT=1``, or the operator states the risk (``aggregate.allow_batch_variance``)."""
+    from vllm import envs
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu() or envs.VLLM_BATCH_INVARIANT or cfg.allow_batch_variance:
+        return
+    raise ConfigError(f"dp_privacy.aggregate on {current_platform.device_name}: set VLLM_BATCH_INVARIANT=1 (a "
+                      "query's members decode in one batch; without it one document can change other members' "
+                      "answers), or aggregate.allow_batch_variance: true to serve with that risk stated")
 
 
 def member_bound(cfg: AggregatePrivacyConfig, max_model_len: int) -> int:
@@ -163,9 +188,10 @@ def load_collections(cfg: AggregatePrivacyConfig, tokenizer, key: NoiseKey,
 class EngineSource:
     """``decode.Source`` factory over a vLLM engine client: one-token sub-requests; the first
     prompt (the public sequence) returns its top ``public_top`` log-probabilities (-1: all), the
-    members their top ``member_top``. Cache salts: ``member_salt`` (secret, per deployment: the
-    documents' prefill is reused across queries) for the members, a fresh random one per query
-    (``for_query``) for the public sequence."""
+    members their top ``member_top``. Cache salts (``salts``): ``member_salt`` (secret, per
+    deployment: the documents' prefill is reused across queries) for the members that hold
+    documents; a fresh random one per query for the public sequence and for an empty member,
+    whose prompt is the client's conversation alone."""
 
     def __init__(self, engine_client, public_top: int, member_top: int, member_salt: str):
         from vllm import SamplingParams
@@ -174,9 +200,19 @@ class EngineSource:
         self.params = [SamplingParams(max_tokens=1, temperature=0.0, logprobs=n, detokenize=False,
                                       flat_logprobs=True) for n in (public_top, member_top)]
 
-    def for_query(self):
-        """The ``decode.Source`` of one query (its public sequence's own salt)."""
-        return functools.partial(self.ask, os.urandom(16).hex())
+    def salts(self, collection: ServedCollection, query_salt: str) -> list[str]:
+        """Each member's cache salt: the secret ``member_salt`` where the member holds documents
+        (its prompt starts with them), ``query_salt`` (fresh per query) where it is empty. Under
+        the secret salt an empty member would cache the client's own sequence beside the
+        members' documents: a conversation starting with a guessed ``Document: <text>`` turn
+        would then hit a member's cached blocks, and its timing tell the guess."""
+        return [self.member_salt if prefix else query_salt for prefix in collection.member_prefixes]
+
+    def for_query(self, collection: ServedCollection):
+        """The ``decode.Source`` of one query over ``collection`` (its own fresh salt for the
+        public sequence and the empty members)."""
+        public = os.urandom(16).hex()
+        return functools.partial(self.ask, [public, *self.salts(collection, public)])
 
     async def _output(self, ids: list[int], salt: str, params, request_id: str):
         """The engine's final ``CompletionOutput`` for the prompt ``ids`` under cache ``salt``."""
@@ -187,28 +223,35 @@ class EngineSource:
             final = out
         return final.outputs[0]
 
-    async def ask(self, public_salt: str, prompts: list[list[int]]) -> list[TopLogprobs]:
+    async def ask(self, salts: list[str], prompts: list[list[int]]) -> list[TopLogprobs]:
+        """The next-token log-probabilities of each of ``prompts`` (the public sequence first,
+        then the members) under its cache salt (``salts``, in the same order)."""
         batch = uuid.uuid4().hex
-        salts = (public_salt, self.member_salt)
 
         async def one(i: int, ids: list[int]) -> TopLogprobs:
-            output = await self._output(ids, salts[min(i, 1)], self.params[min(i, 1)], f"dpagg-{batch}-{i}")
+            output = await self._output(ids, salts[i], self.params[min(i, 1)], f"dpagg-{batch}-{i}")
             flat = output.logprobs  # FlatLogprobs: position 0's entries
             start, end = flat.start_indices[0], flat.end_indices[0]
             return TopLogprobs.sorted(np.asarray(flat.token_ids[start:end]), np.asarray(flat.logprobs[start:end]))
 
         return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
 
-    async def member_answers(self, prompts: list[list[int]], max_tokens: int) -> list[str]:
-        """Each member's greedy answer (its first line, at most ``max_tokens`` tokens), all in one
-        batch, under the members' salt (``mechanism: answer``)."""
+    async def member_answers(self, collection: ServedCollection, prompts: list[list[int]],
+                             max_tokens: int) -> list[list[int]]:
+        """Each member's greedy token ids, exactly ``max_tokens`` of them, all in one batch, each
+        under its salt (``salts``: an empty member's fresh per query) (``mechanism: answer``).
+        No member stops early: EOS is ignored and
+        there are no stop strings (``member_text`` cuts the answer afterwards), so every member
+        decodes the same public number of steps and the reply's time does not tell how long
+        any member's answer was (a question such as "if your document mentions X, repeat it"
+        would otherwise time a matching document)."""
         from vllm import SamplingParams
 
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=["\n"])
-        batch = uuid.uuid4().hex
-        outputs = await asyncio.gather(*(self._output(ids, self.member_salt, params, f"dpans-{batch}-{i}")
-                                         for i, ids in enumerate(prompts)))
-        return [o.text for o in outputs]
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
+        batch, salts = uuid.uuid4().hex, self.salts(collection, os.urandom(16).hex())
+        outputs = await asyncio.gather(*(self._output(ids, salt, params, f"dpans-{batch}-{i}")
+                                         for i, (ids, salt) in enumerate(zip(prompts, salts, strict=True))))
+        return [list(o.token_ids) for o in outputs]
 
     async def public_answer(self, prompt: list[int], max_tokens: int, sampling: dict):
         """The answer to a public prompt (the conversation, with the released fact or without):
@@ -266,6 +309,14 @@ class AggregateService:
     def statement(self) -> dict:
         """``/v1/dp/budget``'s statement (the same as ``vllm-dp account``), spending included."""
         return aggregate_statement(self.cfg, self.ledger)
+
+    def votes(self, answers: list[list[int]], collection: ServedCollection, question: str) -> dict[str, int]:
+        """Key -> how many members vote for it: each member's answer (``member_text``) read
+        against its own documents and the public question (``aggregate.answer``)."""
+        public = (self.cfg.answer_instruction,)
+        keys = (answer_key(member_text(self.tokenizer, ids, self.stop_ids), docs, question, public)
+                for ids, docs in zip(answers, collection.member_documents, strict=True))
+        return dict(Counter(filter(None, keys)))
 
     # ------------------------------------------------------------------ requests
     def _options(self, body: dict) -> tuple[ServedCollection, float]:
@@ -383,7 +434,7 @@ class AggregateService:
     @staticmethod
     def _member_ids(collection: ServedCollection, public: list[int], suffix: list[int]) -> list[list[int]]:
         """Member i: its documents' system turn, then ``suffix``; an empty member sees the public
-        sequence."""
+        sequence (under a fresh salt: ``EngineSource.salts``)."""
         return [[*prefix, *suffix] if prefix else list(public) for prefix in collection.member_prefixes]
 
     def _conversation_ids(self, messages: list[dict]) -> list[int]:
@@ -537,7 +588,8 @@ class _TokenQuery(_Query):
         self.aggregator = Aggregator(self.params, self.service.rng())
 
     async def _pieces(self):
-        async for step in generate(self.service.source.for_query(), self.public, self.members, self.aggregator,
+        collection = self.service.collections[self.name]
+        async for step in generate(self.service.source.for_query(collection), self.public, self.members, self.aggregator,
                                    self.max_tokens, self.service.stop_ids):
             if step.token in self.service.stop_ids:
                 self.finish = "stop"
@@ -568,10 +620,10 @@ class _AnswerQuery(_Query):
     async def _pieces(self):
         service, cfg = self.service, self.service.cfg
         collection = service.collections[self.name]
-        answers = await service.source.member_answers(self.members, cfg.answer_tokens)
-        votes = Counter(filter(None, (answer_key(a, docs, self.question, (cfg.answer_instruction,))
-                                      for a, docs in zip(answers, collection.member_documents, strict=True))))
-        released = self.params.release.release(dict(votes))
+        answers = await service.source.member_answers(collection, self.members, cfg.answer_tokens)
+        # the keys' CPU time depends on the answers: off the event loop, other clients go on
+        votes = await asyncio.to_thread(service.votes, answers, collection, self.question)
+        released = self.params.release.release(votes)
         self.fact = max(released, key=lambda k: (released[k], k)) if released else None
         self.count = released.get(self.fact)  # its noisy count (part of the release)
         if self.fact is None and cfg.on_empty == "refuse":

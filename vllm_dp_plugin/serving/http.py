@@ -49,7 +49,7 @@ from ..prompt.session import (
     resolve_options,
 )
 from .aggregate import ROUTES as AGGREGATE_ROUTES
-from .aggregate import AggregateService
+from .aggregate import AggregateService, check_batch_invariance
 from .context import select_context
 from .fact_sheet import ROUTES as FACT_SHEET_ROUTES
 from .fact_sheet import FactSheetError, FactSheetService
@@ -76,9 +76,19 @@ PROMPT_POST = (*CONTEXT_POST, "/v1/chat/completions/batch", "/v1/responses", "/v
 ENCODER_POST = ("/v1/audio/transcriptions", "/v1/audio/translations", *HARMLESS_POST)
 AGGREGATE_POST = (*AGGREGATE_ROUTES, *HARMLESS_POST)
 FACT_SHEET_POST = (*FACT_SHEET_ROUTES, *HARMLESS_POST)  # a route not rewritten would answer without the sheet
-# GET routes closed while private prompts run through the engine (DP aggregation's members,
-# paraphrase rewrites): vLLM's counters (prompt tokens, prefix-cache hits) add up their lengths
-CLOSED_GET = ("/metrics",)
+# Closed to every method but POST (allowlisted above) while private prompts run through the
+# engine (DP aggregation's members, paraphrase rewrites): whatever reaches vLLM's Prometheus
+# registry, whose counters (prompt tokens, prefix-cache hits, request and response sizes) add up
+# their lengths. vLLM 0.32 serves it from two routes (entrypoints/serve/instrumentator/metrics.py):
+# the instrumentator's GET /metrics and a Mount whose path_regex ``^/metrics(?P<path>.*)$`` answers
+# /metrics/, /metrics/x, /metricsx, /metrics.txt, any method (``reaches_counters``). The other
+# non-POST routes vLLM serves state no engine counter and stay open: /health, /ping, /version,
+# /v1/models, /tokenizer_info, /docs, /redoc, /openapi.json, /static (public); /load (HTTP requests
+# in flight, never tokens; aggregation's members are not HTTP requests); /kv_event_sources (the
+# publisher's configuration; KV events are refused); /fault_tolerance/status (engine health);
+# /v1/responses/{id} (a response stored for its client); under VLLM_SERVER_DEV_MODE /server_info
+# (the configuration), /is_sleeping, /is_paused, /weight_info, /get_world_size.
+COUNTERS_PATH = "/metrics"
 COUNTERS_CLOSED = ("/metrics is not available while private prompts run through the engine (DP aggregation, "
                    "paraphrase): its counters add up their lengths")
 # field -> why it is refused (a value counts as set unless it is None or False: 0 is set, since
@@ -91,6 +101,27 @@ FORBIDDEN_FIELDS = {
     "kv_transfer_params": "KV transfer would export or import the private context's cache rows",
     "cache_salt": "a cache salt makes the engine recompute the whole private context",
 }
+
+
+def reaches_counters(scope) -> bool:
+    """Whether a request reaches vLLM's Prometheus registry: its path (as sent, and as Starlette
+    routes it: less the root path) starts with ``/metrics`` (the Mount's pattern serves every such
+    path) or matches the pattern of any route of the app that serves ``/metrics`` itself (read from
+    the app's routes, so a pattern a later vLLM widens is followed)."""
+    patterns = counter_patterns(scope["app"])
+    return any(path.startswith(COUNTERS_PATH) or any(p.match(path) for p in patterns) for path in _paths(scope))
+
+
+def counter_patterns(app) -> list:
+    """The path patterns of ``app``'s routes that answer ``/metrics`` (vLLM's metrics route and Mount)."""
+    patterns = (getattr(route, "path_regex", None) for route in getattr(app, "routes", ()))
+    return [p for p in patterns if p is not None and p.match(COUNTERS_PATH)]
+
+
+def _paths(scope) -> set[str]:
+    """The request's path and its route path (without ``root_path``, as ``starlette`` matches)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return {path, path[len(root):]} if root and path.startswith(root + "/") else {path}
 
 
 def allowed_post(features: frozenset[str]) -> frozenset[str]:
@@ -186,7 +217,7 @@ class PrivateContextGuard:
             return await self.app(scope, receive, send)
         state = scope["app"].state
         if scope["method"] != "POST":
-            if getattr(state, "dp_counters_closed", False) and scope["path"].rstrip("/") in CLOSED_GET:
+            if getattr(state, "dp_counters_closed", False) and reaches_counters(scope):
                 return await _error(403, COUNTERS_CLOSED)(scope, receive, send)
             return await self.app(scope, receive, send)
         routes = getattr(state, "dp_routes", None)
@@ -398,9 +429,14 @@ def aggregate_service(engine_client, vllm_config, cfg, args) -> AggregateService
     """The DP aggregation service (``dp_privacy.aggregate``): collections loaded and partitioned,
     engine options checked (nothing that reads or publishes cached rows)."""
     check_engine_options(vllm_config, "dp_privacy.aggregate")
+    check_batch_invariance(cfg.aggregate)
     tokenizer = engine_client.get_tokenizer()
-    eos = getattr(vllm_config.model_config.hf_config, "eos_token_id", None)
-    stops = {tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None}
+    model_config = vllm_config.model_config
+    stops = {tokenizer.eos_token_id} - {None}
+    # the model's and its generation config's end tokens: where a request would have stopped
+    for eos in (getattr(model_config.hf_config, "eos_token_id", None),
+                model_config.try_get_generation_config().get("eos_token_id")):
+        stops.update(t for t in (eos if isinstance(eos, list) else [eos]) if t is not None)
     names = getattr(args, "served_model_name", None)
     name = names[0] if names else vllm_config.model_config.model
     key = NoiseKey(cfg.key_file)
