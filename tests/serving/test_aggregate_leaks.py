@@ -353,3 +353,62 @@ def test_the_budget_route_answers_503_when_the_ledger_cannot_be_read():
     reply = TestClient(app).get("/v1/dp/budget")
     assert reply.status_code == 503 and "ledger" in reply.json()["error"]["message"]
     assert "secret-path" not in reply.text
+
+
+METRICS_PATHS = ("/metrics", "/metrics/", "/metrics/x", "/metricsx", "/metrics.txt")
+
+
+def metrics_app(*extra_routes) -> FastAPI:
+    """vLLM's own metrics routes (``instrumentator.metrics.attach_router``: the instrumentator's
+    GET /metrics and the Prometheus Mount with path_regex ``^/metrics(?P<path>.*)$``), an
+    unrelated GET route, the guard in front."""
+    from vllm.entrypoints.serve.instrumentator.metrics import attach_router
+
+    app = FastAPI()
+    attach_router(app)
+    app.routes.extend(extra_routes)
+    app.add_middleware(PrivateContextGuard)
+
+    @app.get("/health")
+    async def health():
+        return {}
+
+    return app
+
+
+def test_every_path_vllms_metrics_mount_serves_is_closed_for_every_method():
+    """The leak: only the exact path /metrics was closed, but vLLM's Mount answers any path that
+    starts with /metrics (/metrics/x, /metricsx, /metrics.txt) with the whole registry."""
+    app = metrics_app()
+    client = TestClient(app)
+    for path in METRICS_PATHS:  # with DP off each of them serves the registry
+        reply = client.get(path)
+        assert reply.status_code == 200 and "# HELP" in reply.text, path
+    app.state.dp_counters_closed = True
+    for path in METRICS_PATHS:
+        for method in ("GET", "HEAD", "OPTIONS", "PUT", "DELETE"):
+            reply = client.request(method, path)
+            assert reply.status_code == 403, (method, path, reply.status_code)
+            if method != "HEAD":
+                assert reply.json()["error"]["message"] == COUNTERS_CLOSED
+    assert client.get("/health").status_code == 200
+    behind = TestClient(app, root_path="/api")  # a server under --root-path: routed without it
+    for path in ("/api/metrics", "/api/metrics/x", "/api/metricsx"):
+        assert behind.get(path).status_code == 403, path
+    assert behind.get("/api/health").status_code == 200
+
+
+def test_the_closed_paths_follow_the_apps_own_metrics_patterns():
+    """A pattern that serves /metrics and more (here: any letter case) is read from the app's
+    routes, not typed in: /METRICS/x is closed because the route answering /metrics answers it."""
+    import regex
+    from prometheus_client import make_asgi_app
+    from starlette.routing import Mount
+
+    wide = Mount("/metrics", make_asgi_app())
+    wide.path_regex = regex.compile("(?i)^/metrics(?P<path>.*)$")
+    app = metrics_app(wide)
+    app.state.dp_counters_closed = True
+    client = TestClient(app)
+    assert client.get("/METRICS/x").status_code == 403
+    assert client.get("/health").status_code == 200
