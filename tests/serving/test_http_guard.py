@@ -2,6 +2,7 @@
 endpoint plugin (layers verified through the workers, request logging)."""
 
 import json
+import logging
 
 import pytest
 
@@ -91,6 +92,50 @@ def test_middleware_answers_400_in_openai_error_format_and_forwards_the_body_int
         "/v1/completions", content=json.dumps(body), headers={"Content-Type": "application/json"}
     )
     assert passed.status_code == 200 and passed.json() == {"echoed_body": body}
+
+
+FORGED = "/x%0Avllm-dp: refused nothing (a forged line)%0D%1B[2K" + "a" * 5000
+
+
+def _raw_controls(text: str) -> list[str]:
+    return [c for c in text if not c.isprintable()]
+
+
+def test_a_refused_path_is_logged_and_echoed_as_one_escaped_bounded_line(caplog):
+    """Log forging: the guard logged and echoed the decoded path, so ``POST /x%0A<line>`` wrote a
+    line of the client's choosing into the server's log (``\r``, terminal escapes, megabytes too)."""
+    caplog.set_level(logging.INFO, logger="vllm.dp_privacy")
+    reply = _client(True).post(FORGED, json={})
+    assert reply.status_code == 403
+    echoed = reply.json()["error"]["message"]
+    (record,) = [r for r in caplog.records if r.name == "vllm.dp_privacy"]
+    for text in (echoed, record.getMessage()):
+        assert not _raw_controls(text) and len(text) < 1000, text[:300]
+        assert "\\n" in text and "\\r" in text and "\\x1b" in text and "..." in text  # escaped, cut
+    assert echoed.startswith("/x\\nvllm-dp: refused nothing (a forged line)\\r\\x1b[2Kaaa")
+
+
+def test_client_text_quoted_in_other_errors_is_escaped_and_cut():
+    """The other places that echo a client's text raw: the fact sheet's unknown ``vllm_xargs``
+    key, and DP aggregation's chat template error (a template may quote the client's message)."""
+    from types import SimpleNamespace
+
+    from vllm_dp_plugin.serving.aggregate import AggregateService, RequestError
+    from vllm_dp_plugin.serving.fact_sheet import FactSheetError, FactSheetService
+
+    forged = "dp_x\nvllm-dp: forged line\r\x1b[2K" + "a" * 5000
+    with pytest.raises(FactSheetError) as unknown:
+        FactSheetService.rewrite(SimpleNamespace(sheets={}), "/v1/completions", {"vllm_xargs": {forged: 1}})
+
+    def template(*args, **kwargs):
+        raise ValueError(f"unknown role {forged}")
+
+    service = SimpleNamespace(tokenizer=SimpleNamespace(apply_chat_template=template))
+    with pytest.raises(RequestError) as unrendered:
+        AggregateService._render(service, [{"role": forged, "content": "hi"}])
+    for text in (str(unknown.value), unrendered.value.message):
+        assert not _raw_controls(text) and len(text) < 1000, text[:300]
+        assert "\\n" in text and "\\x1b" in text and "..." in text
 
 
 def test_middleware_is_inert_with_dp_off():

@@ -53,6 +53,7 @@ from ..privacy.ledger_migration import open_ledger
 from ..privacy.ledger_store import LedgerStore, LedgerUnavailable
 from ..privacy.query_ledger import BudgetExhausted, QueryLedger
 from ..reports import aggregate_statement
+from .echo import printable
 
 logger = logging.getLogger("vllm.dp_privacy")
 ROUTES = ("/v1/completions", "/v1/chat/completions")
@@ -374,12 +375,13 @@ class AggregateService:
     def _render(self, messages: list, system: bool = False) -> str:
         """The chat template's rendering of the client's ``messages`` (generation prompt on;
         ``system``: after an empty system turn); 400 naming ``messages`` when the template
-        cannot render them (its error is about the client's own messages and the public template)."""
+        cannot render them (its error is about the client's own messages and the public template,
+        and may quote them: escaped and cut, ``printable``)."""
         turns = [{"role": "system", "content": ""}, *messages] if system else messages
         try:
             return self.tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
         except Exception as exc:  # noqa: BLE001 - jinja2, TypeError, KeyError: any is the messages' fault
-            raise RequestError(400, f"`messages` cannot be rendered by the chat template: {exc}"[:300]) from None
+            raise RequestError(400, f"`messages` cannot be rendered by the chat template: {printable(str(exc))}") from None
 
     def _suffix_ids(self, path: str, body: dict, public: list[int]) -> list[int]:
         """What follows a member's system turn: the conversation (chat: the template over

@@ -16,6 +16,7 @@ import logging
 from ..config import FactSheetPrivacyConfig
 from ..plan import ReleasedSheet
 from ..reports import fact_sheet_statement
+from .echo import printable
 
 logger = logging.getLogger("vllm.dp_privacy")
 ROUTES = ("/v1/completions", "/v1/chat/completions")
@@ -41,7 +42,8 @@ class FactSheetService:
         name = xargs.pop(OPTION_CONTEXT, None)
         unknown = sorted(k for k in xargs if k.startswith("dp_"))
         if unknown:
-            raise FactSheetError(f"vllm_xargs.{unknown[0]} is not an option of the fact sheet (only {OPTION_CONTEXT})")
+            raise FactSheetError(f"vllm_xargs.{printable(unknown[0])} is not an option of the fact sheet (only "
+                                 f"{OPTION_CONTEXT})")  # the client's key: escaped
         name = next(iter(self.sheets)) if name is None else name
         if name not in self.sheets:
             raise FactSheetError(f"vllm_xargs.{OPTION_CONTEXT}={name!r} names no collection; served: "

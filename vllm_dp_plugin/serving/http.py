@@ -51,6 +51,7 @@ from ..prompt.session import (
 from .aggregate import ROUTES as AGGREGATE_ROUTES
 from .aggregate import AggregateService, check_batch_invariance
 from .context import select_context
+from .echo import printable
 from .fact_sheet import ROUTES as FACT_SHEET_ROUTES
 from .fact_sheet import FactSheetError, FactSheetService
 from .settings import (
@@ -134,9 +135,10 @@ def allowed_post(features: frozenset[str]) -> frozenset[str]:
 
 def forbidden_request(path: str, body: dict, allowed: frozenset[str], context: bool) -> tuple[int, str] | None:
     """(status, message) if a request must be refused: a POST route not in ``allowed``, or, with
-    a private ``context``, a field that would reveal, recompute or export private positions."""
+    a private ``context``, a field that would reveal, recompute or export private positions. The
+    path is the client's text: echoed escaped and cut (``printable``)."""
     if path not in allowed:
-        return 403, f"{path} is not available while differential privacy is on"
+        return 403, f"{printable(path)} is not available while differential privacy is on"
     if not context:
         return None
     extra = body.get("vllm_xargs") if isinstance(body.get("vllm_xargs"), dict) else {}
@@ -242,7 +244,8 @@ class PrivateContextGuard:
         if refusal is None and (contexts or prompt_cfg is not None):
             refusal = context_refusal(parsed, contexts, prompt_cfg is not None)
         if refusal is not None:
-            logger.info("vllm-dp: refused %s (%s)", scope["path"], refusal[1].split(":")[0])
+            # the path and option names are the client's: one escaped, bounded line (no forged record)
+            logger.info("vllm-dp: refused %s (%s)", printable(scope["path"]), printable(refusal[1].split(":")[0]))
             return await _error(*refusal)(scope, receive, send)
         service = getattr(state, "dp_aggregate", None)
         if service is not None and scope["path"] in AGGREGATE_ROUTES:
