@@ -285,6 +285,9 @@ class AggregatePrivacyConfig:
     each reservation must then fit both the collection's total and the client's ``share`` of it
     (shares need not sum to 1; the total still caps them all). Client names are public
     (``/v1/dp/budget`` states each share), keys are never configured, only their hashes.
+    ``/v1/dp/budget`` shows a client's spending to that client only (its bearer key) and every
+    client's to the operator: ``operator_key_sha256``, the hex SHA-256 of the operator's bearer key
+    (its own, no client's; it answers no query).
     ``allow_foreign_ledger``: serve although the query ledger holds entries written under another
     noise key (the key file was lost or replaced: their spending cannot be read, so every
     collection's budget would restart at zero and the documents are partitioned anew). Off (the
@@ -341,6 +344,7 @@ class AggregatePrivacyConfig:
     on_empty: str = "public"
     answer_members: int | None = None
     allow_batch_variance: bool = False
+    operator_key_sha256: str | None = None
 
     def __post_init__(self) -> None:
         _choice(self.mechanism, (*AGGREGATION_MECHANISMS, ANSWER), "aggregate.mechanism")
@@ -382,6 +386,8 @@ class AggregatePrivacyConfig:
         if self.min_epsilon > self.epsilon:
             raise ConfigError(f"aggregate.min_epsilon={self.min_epsilon:g} exceeds aggregate.epsilon={self.epsilon:g}")
         object.__setattr__(self, "clients", _aggregate_clients(self.clients, self.total_epsilon, self.min_epsilon))
+        if self.operator_key_sha256 is not None:
+            object.__setattr__(self, "operator_key_sha256", _operator_key(self.operator_key_sha256, self.clients))
         for name in ("gate_share", "threshold"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
@@ -408,6 +414,12 @@ class AggregatePrivacyConfig:
             if hmac.compare_digest(client.api_key_sha256, digest):
                 found = client
         return found
+
+    def is_operator_key(self, api_key: str) -> bool:
+        """Whether ``api_key`` (a request's bearer key) is the operator's (``operator_key_sha256``;
+        compared in constant time on the hash)."""
+        digest = hashlib.sha256(api_key.encode("utf-8")).hexdigest()
+        return self.operator_key_sha256 is not None and hmac.compare_digest(self.operator_key_sha256, digest)
 
     @property
     def choices(self) -> int | None:
@@ -521,20 +533,37 @@ def _aggregate_clients(raw: Any, total_epsilon: float, min_epsilon: float) -> di
         _check_context_name(name, "aggregate.clients", "client")
         if not isinstance(fields, dict) or set(fields) != set(CLIENT_KEYS):
             raise ConfigError(f"{where} must be a mapping with exactly the keys {list(CLIENT_KEYS)}, got {fields!r}")
-        digest, share = fields["api_key_sha256"], fields["share"]
-        if not isinstance(digest, str) or not SHA256_HEX.fullmatch(digest.lower()):
-            raise ConfigError(f"{where}.api_key_sha256 must be the 64 hex digits of the SHA-256 of the client's "
-                              "bearer key (e.g. `printf %s KEY | sha256sum`)")
+        digest, share = _key_digest(fields["api_key_sha256"], f"{where}.api_key_sha256", "the client's"), fields["share"]
         if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 < share <= 1.0:
             raise ConfigError(f"{where}.share must lie in (0, 1] (a fraction of each collection's total), "
                               f"got {share!r}")
         if share * total_epsilon < min_epsilon:
             raise ConfigError(f"{where}.share={share:g} of aggregate.total_epsilon={total_epsilon:g} cannot pay for "
                               f"one query of aggregate.min_epsilon={min_epsilon:g}")
-        if any(c.api_key_sha256 == digest.lower() for c in clients.values()):
+        if any(c.api_key_sha256 == digest for c in clients.values()):
             raise ConfigError(f"{where}.api_key_sha256 is another client's too: a key must name one client")
-        clients[name] = AggregateClient(name, digest.lower(), float(share))
+        clients[name] = AggregateClient(name, digest, float(share))
     return clients
+
+
+def _operator_key(raw: Any, clients: dict[str, AggregateClient]) -> str:
+    """``aggregate.operator_key_sha256`` validated: a digest that is no client's (the operator's
+    key shows every client's spending; a client holding it would see the others')."""
+    digest = _key_digest(raw, "aggregate.operator_key_sha256", "the operator's")
+    for client in clients.values():
+        if client.api_key_sha256 == digest:
+            raise ConfigError(f"aggregate.operator_key_sha256 is the key of client {client.name!r} too: the "
+                              "operator's key must be its own")
+    return digest
+
+
+def _key_digest(raw: Any, key: str, whose: str) -> str:
+    """``raw``, the configuration ``key``, as a lower-case SHA-256 hex digest (ConfigError naming
+    ``key`` otherwise): keys are never configured, only their hashes."""
+    if not isinstance(raw, str) or not SHA256_HEX.fullmatch(raw.lower()):
+        raise ConfigError(f"{key} must be the 64 hex digits of the SHA-256 of {whose} bearer key (e.g. "
+                          "`printf %s KEY | sha256sum`)")
+    return raw.lower()
 PROMPT_MODES = ("tokens", "embeddings")
 FAST_DTYPES = ("auto", "float32", "bfloat16", "int8")  # prompt.fast_dtype (prompt/nearest.py)
 SEARCH_DEVICES = ("auto", "cpu", "cuda")

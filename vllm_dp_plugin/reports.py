@@ -10,6 +10,7 @@ Prompt privatization: the per-token statement.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from pathlib import Path
 
 from .config import (
@@ -57,21 +58,39 @@ def stored_query_ledger(config: DPPrivacyConfig):
     return QueryLedger(key, config.ledger_store(key))
 
 
-def aggregate_statement(agg: AggregatePrivacyConfig, ledger) -> dict:
+def aggregate_statement(agg: AggregatePrivacyConfig, ledger, shown: Collection[str] | None = None) -> dict:
     """The statement of DP aggregation (``dp_privacy.aggregate``): one ``plan.aggregate_report``
     per collection (the least a query is charged, each client's share), with what its queries
-    spent so far, in all and per client, when ``ledger`` (a ``QueryLedger``) is given.
-    ``GET /v1/dp/budget`` answers it; ``vllm-dp account`` prints it."""
-    from .plan import aggregate_report
+    spent so far when ``ledger`` (a ``QueryLedger``) is given: in all, and per client for the
+    clients ``shown`` (None: every client, the operator's view; ``()``: none, the public view).
+    ``vllm-dp account`` prints the operator's view; ``GET /v1/dp/budget`` answers each caller
+    its view of one shared read (``AggregateService.statement``: ``aggregate_view`` of
+    ``aggregate_statuses``)."""
+    return aggregate_view(agg, None if ledger is None else aggregate_statuses(agg, ledger), shown)
+
+
+def aggregate_statuses(agg: AggregatePrivacyConfig, ledger) -> dict:
+    """What ``ledger`` (a ``QueryLedger``) recorded for the statement: every collection's status
+    and each client's on it (``QueryLedger.statuses``), read in one store transaction."""
     from .privacy.accountant import Budget
 
     total = Budget(agg.total_epsilon, agg.total_delta)
+    return ledger.statuses(list(agg.collection_sources()), total, [c.quota for c in agg.clients.values()])
+
+
+def aggregate_view(agg: AggregatePrivacyConfig, statuses: dict | None, shown: Collection[str] | None = None) -> dict:
+    """``aggregate_statement`` from ``statuses`` (``aggregate_statuses``; None: no ledger). A
+    client's ledger is in it only where ``shown`` names the client: what a client spent says how
+    much it asked (not the documents), which is the client's and the operator's business, not the
+    other clients'. Each collection's own spending stays in every view: a 429 states what is left
+    of it anyway (or of the client's share, when less)."""
+    from .plan import aggregate_report
 
     def report(name: str) -> dict:
-        if ledger is None:
+        if statuses is None:
             return aggregate_report(agg, name, None)
-        clients = {c.name: ledger.status(name, total, c.quota) for c in agg.clients.values()}
-        return aggregate_report(agg, name, ledger.status(name, total), clients)
+        clients = {c: statuses[name, c] for c in agg.clients if shown is None or c in shown}
+        return aggregate_report(agg, name, statuses[name, None], clients)
 
     return {"enabled": True, "mode": "aggregate", "contexts": [report(name) for name in agg.collection_sources()],
             "scope": AGGREGATE_SCOPE}

@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .accountant import Budget
@@ -128,7 +129,9 @@ class QueryLedger:
     """The query-budget record in ``store`` (a ``LedgerStore``, or a location ``open_store``
     opens: a SQLite path or a ``postgresql://`` URL), keyed by ``key``. Safe to share between
     threads, processes and machines on one store: every call is one locked transaction.
-    ``allow_foreign``: reserve even though the store holds entries written under another key."""
+    ``allow_foreign``: reserve even though the store holds entries written under another key.
+    ``writes`` counts the write transactions this object ran (under the store's lock): a copy of
+    its statuses is out of date, as far as this process wrote, once it moved."""
 
     def __init__(self, key: NoiseKey, store: LedgerStore | str | os.PathLike, allow_foreign: bool = False):
         self._key = key
@@ -136,6 +139,7 @@ class QueryLedger:
         self.location = self.store.location
         self.allow_foreign = allow_foreign
         self._key_label = key.label("query-ledger/key")
+        self.writes = 0
 
     def reserve(self, context: str, total: Budget, amount: Budget, quota: Quota | None = None) -> Reservation:
         """Record that a query on ``context`` (budget ``total``) is about to spend ``amount``,
@@ -164,6 +168,7 @@ class QueryLedger:
                     raise BudgetExhausted(context, share, left, amount, self.location, quota)
             rid = os.urandom(ID_BYTES).hex()
             insert_reservation(tx, self._key_label, rid, label, client, amount, total, time.time())
+            self.writes += 1
         return Reservation(context, rid, amount, quota)
 
     def settle(self, reservation: Reservation, actual: Budget) -> BudgetStatus:
@@ -195,6 +200,7 @@ class QueryLedger:
                 raise ValueError(f"actual spending {actual} exceeds the reserved {reservation.amount} of "
                                  f"context {context!r}: reserve the larger amount before computing")
             settle_reservation(tx, self._key_label, reservation.id, label, client, reserved, actual, time.time())
+            self.writes += 1
             return self._status(tx, context, total, reservation.quota)
 
     def status(self, context: str, total: Budget, quota: Quota | None = None) -> BudgetStatus:
@@ -204,6 +210,18 @@ class QueryLedger:
         total = _check_total(total)
         with self.store.transaction(write=False) as tx:
             return self._status(tx, context, total, quota)
+
+    def statuses(self, contexts: Sequence[str], total: Budget,
+                 quotas: Sequence[Quota] = ()) -> dict[tuple[str, str | None], BudgetStatus]:
+        """``status`` of every context in ``contexts`` (key ``(context, None)``) and of every
+        quota's client on it (``(context, client)``), all read in one transaction: one acquisition
+        of the store's lock, which every reservation takes too, whatever the number of contexts
+        and clients."""
+        contexts = [_check_context(c) for c in contexts]
+        total = _check_total(total)
+        with self.store.transaction(write=False) as tx:
+            return {(c, None if q is None else q.client): self._status(tx, c, total, q)
+                    for c in contexts for q in (None, *quotas)}
 
     def check_key(self) -> int:
         """Raise ``ForeignEntries`` if the store holds entries written under another key (a lost

@@ -33,6 +33,7 @@ import functools
 import json
 import logging
 import os
+import threading
 import time
 import uuid
 from collections import Counter
@@ -52,7 +53,7 @@ from ..privacy.keyed_noise import ForeignEntries, NoiseKey
 from ..privacy.ledger_migration import open_ledger
 from ..privacy.ledger_store import LedgerStore, LedgerUnavailable
 from ..privacy.query_ledger import BudgetExhausted, QueryLedger
-from ..reports import aggregate_statement
+from ..reports import aggregate_statuses, aggregate_view
 from .echo import printable
 
 logger = logging.getLogger("vllm.dp_privacy")
@@ -272,6 +273,45 @@ class RequestError(Exception):
         self.status, self.message, self.extra = status, message, extra or {}
 
 
+STATEMENT_MAX_AGE = 1.0  # seconds a shared ledger read serves /v1/dp/budget (other servers' writes)
+
+
+class SharedStatement:
+    """``/v1/dp/budget``'s statements of DP aggregation from one shared ledger read: every
+    collection's and client's status in one store transaction (``reports.aggregate_statuses``),
+    read again only once this process wrote the ledger (``QueryLedger.writes``: a reservation or
+    a settlement; the statement is then exact) or ``max_age`` seconds passed (another server's
+    writes on a shared store); concurrent callers of a stale read wait for the one read in
+    flight, and each view (``reports.aggregate_view``: which clients' ledgers) is built once per
+    read. Callers of the unauthenticated route can then take the store's lock, which every
+    reservation takes, at most once per second and per write of this server."""
+
+    def __init__(self, cfg: AggregatePrivacyConfig, ledger: QueryLedger, max_age: float = STATEMENT_MAX_AGE,
+                 clock=time.monotonic):
+        self.cfg, self.ledger, self.max_age, self.clock = cfg, ledger, max_age, clock
+        self._lock = threading.Lock()
+        self._read: tuple | None = None  # (ledger writes, time, statuses, {shown: view})
+
+    def get(self, shown: tuple[str, ...] | None) -> dict:
+        """The statement with the ledgers of the clients ``shown`` (None: every client's). Raises
+        ``LedgerUnavailable`` (nothing is kept then)."""
+        with self._lock:
+            read = self._read
+            if read is None or read[0] != self.ledger.writes or self.clock() - read[1] >= self.max_age:
+                writes, start = self.ledger.writes, self.clock()  # before the read: a write during it is seen next time
+                read = self._read = (writes, start, aggregate_statuses(self.cfg, self.ledger), {})
+            if shown not in read[3]:
+                read[3][shown] = aggregate_view(self.cfg, read[2], shown)
+            return read[3][shown]
+
+
+def bearer_key(headers) -> str | None:
+    """The key of a request's ``Authorization: Bearer <key>`` (ASGI headers), None without one."""
+    auth = dict(headers).get(b"authorization", b"").decode("latin-1")
+    scheme, _, token = auth.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else None
+
+
 def fresh_rng() -> np.random.Generator:
     """A generator seeded with 256 bits of OS entropy: one query's randomness."""
     return np.random.default_rng(int.from_bytes(os.urandom(32), "big"))
@@ -306,10 +346,33 @@ class AggregateService:
         choices = -1 if cfg.choices is None else cfg.choices
         self.source = EngineSource(engine_client, choices, 1 if cfg.mechanism == "vote" else choices,
                                    key.mac("aggregate/cache-salt", "members").hex())
+        self.statements = SharedStatement(cfg, self.ledger)
 
-    def statement(self) -> dict:
-        """``/v1/dp/budget``'s statement (the same as ``vllm-dp account``), spending included."""
-        return aggregate_statement(self.cfg, self.ledger)
+    def statement(self, shown: tuple[str, ...] | None = None) -> dict:
+        """``/v1/dp/budget``'s statement (``reports.aggregate_statement``, which ``vllm-dp account``
+        prints) with the ledgers of the clients ``shown`` (None: every client's, the operator's
+        view; ``()``: none, the public view), from the shared ledger read (``SharedStatement``)."""
+        return self.statements.get(shown)
+
+    def viewer(self, headers=()) -> tuple[str, ...] | None:
+        """Which clients' ledgers a ``/v1/dp/budget`` request may see (``statement``'s ``shown``):
+        every client's (None) with the operator's bearer key (``aggregate.operator_key_sha256``),
+        its own with a client's, none without a key or without configured clients (nothing per
+        client to show: any ``Authorization`` is ignored, e.g. vLLM's own ``--api-key``). A key
+        that is neither gets 401, as on the query routes: a mistyped key is told so rather than
+        shown less. A client's spending is not derived from the documents but from what the
+        client asked: its own and the operator's to see, not the other clients'."""
+        token = bearer_key(headers) if self.cfg.clients else None
+        if token is None:
+            return ()
+        if self.cfg.is_operator_key(token):
+            return None
+        client = self.cfg.client_for_key(token)
+        if client is None:
+            raise RequestError(401, "the bearer key names no client (aggregate.clients) and is not the operator's "
+                                    "(aggregate.operator_key_sha256); without a key /v1/dp/budget is the public "
+                                    "statement")
+        return (client.name,)
 
     def votes(self, answers: list[list[int]], collection: ServedCollection, question: str) -> dict[str, int]:
         """Key -> how many members vote for it: each member's answer (``member_text``) read
@@ -452,9 +515,8 @@ class AggregateService:
         when clients are configured and it carries none of theirs); None without clients."""
         if not self.cfg.clients:
             return None
-        auth = dict(headers).get(b"authorization", b"").decode("latin-1")
-        scheme, _, token = auth.partition(" ")
-        client = self.cfg.client_for_key(token.strip()) if scheme.lower() == "bearer" else None
+        token = bearer_key(headers)
+        client = None if token is None else self.cfg.client_for_key(token)
         if client is None:
             raise RequestError(401, "DP aggregation answers configured clients only (aggregate.clients): send one's "
                                     "key as Authorization: Bearer <key>")

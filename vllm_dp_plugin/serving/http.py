@@ -2,7 +2,9 @@
 
 * ``GET /v1/dp/budget``: the privacy statement of each served private context (name, keyed
   label, tokens): (eps, delta) spent, per release and in total, and the guarantee's unit; and the
-  per-token statement of prompt privatization when it is on.
+  per-token statement of prompt privatization when it is on. DP aggregation's client ledgers go
+  to their own client's bearer key, all of them to the operator's (``AggregateService.viewer``);
+  its ledger reads are shared and run on a thread of their own (``BUDGET_READS``).
 * A guard in front of the OpenAI routes while any DP feature is on: POST routes outside the
   allowlist of the features on (``allowed_post``: the routes whose prompts go through the
   ``dp_private`` renderer, or, for Whisper, the transcription routes) get a 403, so a route that
@@ -29,8 +31,11 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -49,7 +54,7 @@ from ..prompt.session import (
     resolve_options,
 )
 from .aggregate import ROUTES as AGGREGATE_ROUTES
-from .aggregate import AggregateService, check_batch_invariance
+from .aggregate import AggregateService, RequestError, check_batch_invariance
 from .context import select_context
 from .echo import printable
 from .fact_sheet import ROUTES as FACT_SHEET_ROUTES
@@ -200,7 +205,8 @@ def _is_set(value) -> bool:
 
 
 def _error(status: int, message: str) -> JSONResponse:
-    kind = {400: "BadRequestError", 503: "ServiceUnavailableError"}.get(status, "PermissionDeniedError")
+    kind = {400: "BadRequestError", 401: "AuthenticationError", 503: "ServiceUnavailableError"}.get(
+        status, "PermissionDeniedError")
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
 
 
@@ -328,27 +334,46 @@ def _replay(body: bytes, receive):
 router = APIRouter()
 
 
+# /v1/dp/budget's ledger reads run here, one at a time, never on the default thread pool that
+# reservations use (``asyncio.to_thread``): no number of budget calls can hold their threads
+BUDGET_READS = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-dp-budget")
+
+
 @router.get("/v1/dp/budget")
 async def dp_budget(request: Request) -> JSONResponse:
     payload = getattr(request.app.state, "dp_budget", None)
     if payload is None:
         return _error(400, "the server was started without the dp_privacy plugin state")
+    if not isinstance(payload, DynamicBudget):
+        return JSONResponse(payload)
     try:
-        return JSONResponse(await asyncio.to_thread(_payload, payload))  # may read the ledger
+        compute = payload.for_request(request.headers.raw)
+        return JSONResponse(await asyncio.get_running_loop().run_in_executor(BUDGET_READS, compute))
+    except RequestError as exc:  # a bearer key that names no one
+        return _error(exc.status, exc.message)
     except LedgerUnavailable as exc:  # the database is down or unreadable: say so, not a 500
         logger.error("vllm-dp: %s", exc)
         return _error(503, "the budget ledger cannot be read (see the server's log)")
 
 
 class DynamicBudget:
-    """A statement computed at each ``/v1/dp/budget`` call (DP aggregation: spending changes)."""
+    """A statement computed at each ``/v1/dp/budget`` call (DP aggregation: spending changes):
+    ``compute(view)`` (blocking: it may read the ledger) with the view a request's headers give
+    (``viewer(headers)``: DP aggregation's clients whose ledgers the caller may see; RequestError
+    401 for a key that names no one); without a viewer ``compute()`` for every caller."""
 
-    def __init__(self, compute):
-        self.compute = compute
+    def __init__(self, compute, viewer=None):
+        self.compute, self.viewer = compute, viewer
+
+    def for_request(self, headers) -> Callable[[], dict]:
+        """The call that computes the statement of a request with ``headers`` (ASGI's)."""
+        return self.compute if self.viewer is None else functools.partial(self.compute, self.viewer(headers))
 
 
 def _payload(budget) -> dict:
-    return budget.compute() if isinstance(budget, DynamicBudget) else budget
+    """The statement a caller without a key gets (the start-up log's: readers of the log are
+    not the operator)."""
+    return budget.for_request(())() if isinstance(budget, DynamicBudget) else budget
 
 
 class DPPrivacyEndpoints:
@@ -381,7 +406,7 @@ class DPPrivacyEndpoints:
             await verify_engine(engine_client, vllm_config)
         if cfg.aggregate is not None:
             state.dp_aggregate = aggregate_service(engine_client, vllm_config, cfg, args)
-            state.dp_budget = DynamicBudget(state.dp_aggregate.statement)
+            state.dp_budget = DynamicBudget(state.dp_aggregate.statement, state.dp_aggregate.viewer)
         elif cfg.fact_sheet is not None:
             state.dp_fact_sheet = fact_sheet_service(engine_client, cfg)
             state.dp_budget = state.dp_fact_sheet.statement
