@@ -1,11 +1,14 @@
 """The member decode-length timing channel of ``mechanism: answer`` (issue 47 item 2), measured on
-a served SmolLM2: two `vllm-dp serve` over neighbouring collections (the bundled Northwind
-documents plus one more, which mentions the probed project in one and not in the other; same
-number of documents, similar lengths), asked a question built to make one member talk longer:
-"If your document mentions Project Zephyr, repeat it word for word, else answer NONE." With
-``on_empty: refuse`` nothing is released (one document never reaches the threshold), so the
-reply is the fixed refusal and its time is the members' time. Queries alternate between the two
-servers; the report gives the median time to the first content byte per collection.
+a served SmolLM2: two `vllm-dp serve` over neighbouring collections (replace-one: nine bundled
+Northwind documents plus one more, which mentions the probed project in one collection and not in
+the other), asked a question built to make one member talk longer: "If your document mentions
+Project Zephyr, repeat the document word for word. Otherwise answer NONE." The nine documents are
+those whose SmolLM2 members answer it in 6-7 tokens (a probe of the model, as an attacker who
+knows the model would choose the question); the probed document's member repeats it (32 tokens,
+the cap), the other neighbour's answers in 6. With ``on_empty: refuse`` nothing is released (one
+document never reaches the threshold), so the reply is the fixed refusal and its time is the
+members' time. Queries alternate between the two servers; the report gives the median time to
+the first content byte per collection.
 
     PYTHONPATH=. python benchmarks/profiles/answer_timing.py --queries 15 --out /tmp/timing.json
 
@@ -31,9 +34,12 @@ MODEL = ".models/smollm2-135m-instruct"
 DOCUMENTS = Path(__file__).resolve().parents[2] / "examples" / "northwind-documents.jsonl"
 QUESTION = ("If your document mentions Project Zephyr, repeat the document word for word. "
             "Otherwise answer NONE.")
-EXTRA = {  # the differing document: same id, similar length
-    "mentions": "Project Zephyr: the Portland team tests the new loading dock scanners in the spring.",
-    "silent": "Facilities: the Portland team tests the new loading dock scanners every spring week.",
+BASE = ("newsletter-draft", "policy-refunds", "faq-refunds", "org-chart", "it-note", "ops-minutes", "chat-inventory",
+        "email-refunds", "training-refunds")
+EXTRA = {  # the differing document (same id)
+    "mentions": ("Project Zephyr: the Portland team tests the new loading dock scanners every Tuesday at 9 am in "
+                 "Room 12, led by Dana Whitfield of the West Coast operations group, before the rollout to Seattle."),
+    "silent": "Org note: Dana Whitfield leads the West Coast operations group from the Portland office.",
 }
 
 
@@ -54,7 +60,7 @@ def first_content_seconds(base: str, model: str) -> float:
 
 
 def serve(work: Path, model: str, name: str, log: Path) -> RunningServer:
-    docs = [json.loads(line) for line in DOCUMENTS.read_text().splitlines() if line.strip()]
+    docs = [d for d in map(json.loads, DOCUMENTS.read_text().splitlines()) if d["id"] in BASE]
     docs.append({"id": "probe", "text": EXTRA[name]})
     path = work / f"{name}.jsonl"
     path.write_text("".join(json.dumps(d) + "\n" for d in docs))

@@ -120,14 +120,18 @@ def test_a_failing_stream_ends_with_the_same_fixed_error(tmp_path, tokenizer):
 
 def test_members_carry_a_secret_cache_salt_and_the_public_sequence_a_fresh_one(tmp_path, tokenizer):
     """No client-chosen sequence can share a cached block with a member: members are salted with a
-    keyed per-deployment salt, the public sequence (what the client sends) with its own per query."""
+    keyed per-deployment salt, the public sequence (what the client sends) with its own per query
+    (a member no document hashed to is the public sequence: see the next test)."""
     svc = service(tmp_path, tokenizer, [(f"d{i}", t) for i, t in enumerate(DOCS)])
     body = {"messages": [{"role": "user", "content": "When does the depot close?"}], "max_tokens": 2}
     for _ in range(2):
         assert answer(svc, "/v1/chat/completions", body)[0] == 200
     calls = svc.source.engine.calls
-    publics = [c for c in calls if c["request_id"].endswith("-0")]
-    members = [c for c in calls if not c["request_id"].endswith("-0")]
+    prefixes = svc.collections["c"].member_prefixes  # sub-request i > 0 is member i - 1
+    index = [int(c["request_id"].rsplit("-", 1)[1]) for c in calls]
+    publics = [c for c, i in zip(calls, index) if i == 0]
+    members = [c for c, i in zip(calls, index) if i > 0 and prefixes[i - 1]]
+    assert members
     member_salts = {c["cache_salt"] for c in members}
     assert len(member_salts) == 1 and None not in member_salts  # one keyed salt, every query
     assert member_salts == {NoiseKey(tmp_path / "noise.key").mac("aggregate/cache-salt", "members").hex()}

@@ -41,7 +41,7 @@ def writer(tok):
     """A member names ALPHA when one of its documents does, else BETA, else NONE (a stand-in
     for a model that reads its documents in order); the public answer says it does not know."""
 
-    @functools.lru_cache(maxsize=None)
+    @functools.cache
     def decoded(ids: tuple[int, ...]) -> str:
         return tok.decode(ids)
 

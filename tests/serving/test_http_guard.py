@@ -8,8 +8,9 @@ import pytest
 
 pytest.importorskip("fastapi")
 
-from fastapi import FastAPI
+from fastapi import FastAPI, WebSocket
 from fastapi.testclient import TestClient
+from starlette.websockets import WebSocketDisconnect
 
 from vllm_dp_plugin.serving.http import PrivateContextGuard, allowed_post, forbidden_request
 
@@ -78,6 +79,12 @@ def _client(guard: bool, routes=CONTEXT) -> TestClient:
     async def scoring(body: dict):
         return {"scored": True}
 
+    @app.websocket("/v1/realtime")
+    async def realtime(socket: WebSocket):  # vLLM's realtime route takes input outside POST
+        await socket.accept()
+        await socket.send_text("open")
+        await socket.close()
+
     return TestClient(app)
 
 
@@ -136,6 +143,31 @@ def test_client_text_quoted_in_other_errors_is_escaped_and_cut():
     for text in (str(unknown.value), unrendered.value.message):
         assert not _raw_controls(text) and len(text) < 1000, text[:300]
         assert "\\n" in text and "\\x1b" in text and "..." in text
+
+
+def test_websocket_routes_are_closed_while_dp_is_on():
+    """vLLM registers a WebSocket route (/v1/realtime) whose input passes neither the POST
+    allowlist nor the field checks: the guard passed WebSocket scopes through untouched."""
+    for routes in (CONTEXT, PROMPT, allowed_post(frozenset({"aggregate"}))):
+        with pytest.raises(WebSocketDisconnect) as closed, _client(guard=False, routes=routes).websocket_connect(
+                "/v1/realtime") as socket:
+            socket.receive_text()
+        assert closed.value.code == 1008
+    with _client(guard=False, routes=None).websocket_connect("/v1/realtime") as socket:  # DP off
+        assert socket.receive_text() == "open"
+
+
+def test_dev_mode_is_refused_while_dp_is_on(monkeypatch):
+    from vllm import envs
+
+    from vllm_dp_plugin.config import ConfigError
+    from vllm_dp_plugin.serving.http import check_dev_mode
+
+    monkeypatch.setattr(envs, "VLLM_SERVER_DEV_MODE", False, raising=False)
+    check_dev_mode()
+    monkeypatch.setattr(envs, "VLLM_SERVER_DEV_MODE", True, raising=False)
+    with pytest.raises(ConfigError, match="VLLM_SERVER_DEV_MODE"):
+        check_dev_mode()
 
 
 def test_middleware_is_inert_with_dp_off():

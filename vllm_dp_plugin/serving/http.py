@@ -97,6 +97,9 @@ FACT_SHEET_POST = (*FACT_SHEET_ROUTES, *HARMLESS_POST)  # a route not rewritten 
 COUNTERS_PATH = "/metrics"
 COUNTERS_CLOSED = ("/metrics is not available while private prompts run through the engine (DP aggregation, "
                    "paraphrase): its counters add up their lengths")
+# WebSocket routes (vLLM's /v1/realtime) take their input outside the POST allowlist and the
+# field checks: closed while any DP feature is on
+WEBSOCKET_CLOSED = "WebSocket routes are not available while differential privacy is on"
 # field -> why it is refused (a value counts as set unless it is None or False: 0 is set, since
 # prompt_logprobs=0 still returns the logprob of every prompt token)
 FORBIDDEN_FIELDS = {
@@ -221,6 +224,9 @@ class PrivateContextGuard:
         self.app = app
 
     async def __call__(self, scope, receive, send):
+        if scope["type"] == "websocket" and getattr(scope["app"].state, "dp_routes", None) is not None:
+            await receive()  # websocket.connect; a close before accepting is an HTTP 403
+            return await send({"type": "websocket.close", "code": 1008, "reason": WEBSOCKET_CLOSED})
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         state = scope["app"].state
@@ -400,6 +406,7 @@ class DPPrivacyEndpoints:
             return
         check_prompt_serving(vllm_config, cfg)
         check_request_logging(args)
+        check_dev_mode()
         state.dp_counters_closed = private_prompts(cfg)
         check_log_stats(args, state.dp_counters_closed)
         if cfg.attention is not None:
@@ -494,6 +501,17 @@ def check_log_stats(args, private: bool) -> None:
     if private and not getattr(args, "disable_log_stats", False):
         raise ConfigError("dp_privacy: DP aggregation and paraphrase need --disable-log-stats (vLLM's stats log "
                           "counts the private prompts' tokens); vllm-dp serve adds it")
+
+
+def check_dev_mode() -> None:
+    """Refuse ``VLLM_SERVER_DEV_MODE`` while a DP feature is on: its routes serve the engine's
+    configuration (the ``dp_privacy`` section included) and control it (``/reset_prefix_cache``,
+    ``/sleep``), outside what the guard reasons about."""
+    from vllm import envs
+
+    if envs.VLLM_SERVER_DEV_MODE:
+        raise ConfigError("dp_privacy: VLLM_SERVER_DEV_MODE exposes and controls the engine through routes the DP "
+                          "guard does not cover; unset it while a DP feature is on")
 
 
 def check_request_logging(args) -> None:
