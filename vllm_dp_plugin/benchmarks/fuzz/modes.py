@@ -5,7 +5,7 @@ bounded) and what it keeps private (``checks.Private``), computed with the serve
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from vllm_dp_plugin.benchmarks.fuzz.checks import Private
@@ -20,12 +20,14 @@ AGGREGATE_ANSWER_TOKENS = 8
 
 @dataclass(frozen=True)
 class Mode:
-    """One served mode: its ``dp_privacy`` section and what it keeps private."""
+    """One served mode: its ``dp_privacy`` section, what it keeps private, and the ``vllm_xargs``
+    DP options with the values a client of it sends (``runner``'s ``dp`` cases; empty: none)."""
 
     name: str
     section: dict
     private: Private
     private_requests: bool = False  # the clients' prompts are private (prompt privatization)
+    options: dict = field(default_factory=dict)
 
     def write_config(self, work: Path) -> Path:
         path = work / f"dp-{self.name}.json"
@@ -37,10 +39,10 @@ def _count(tokenizer):
     return lambda text: len(tokenizer.encode(text, add_special_tokens=False))
 
 
-def aggregate_mode(work: Path, tokenizer, max_model_len: int) -> Mode:
-    """DP aggregation (``examples/serve-smollm2-aggregate.yaml``, ``mechanism: answer``): the
-    collection's documents, ids and numbers (how many, each one's characters and tokens, each
-    member prompt's tokens, the totals) are private."""
+def aggregate_mode(work: Path, tokenizer, max_model_len: int, total_epsilon: float | None = None) -> Mode:
+    """DP aggregation (``examples/serve-smollm2-aggregate.yaml``, ``mechanism: answer``; its
+    ``total_epsilon`` unless given): the collection's documents, ids and numbers (how many, each
+    one's characters and tokens, each member prompt's tokens, the totals) are private."""
     from vllm_dp_plugin.config import parse_section, section_from_file
     from vllm_dp_plugin.privacy.keyed_noise import NoiseKey
     from vllm_dp_plugin.serving.aggregate import load_collections, member_bound
@@ -49,6 +51,8 @@ def aggregate_mode(work: Path, tokenizer, max_model_len: int) -> Mode:
     section["key_file"] = str(work / "noise-aggregate.key")
     section["aggregate"].update(max_tokens=AGGREGATE_MAX_TOKENS, answer_tokens=AGGREGATE_ANSWER_TOKENS,
                                 budget_file=str(work / "queries-aggregate.jsonl"))
+    if total_epsilon is not None:
+        section["aggregate"]["total_epsilon"] = total_epsilon
     cfg = parse_section(section).aggregate
     count, bound = _count(tokenizer), member_bound(cfg, max_model_len)
     served = load_collections(cfg, tokenizer, NoiseKey(section["key_file"]), bound)
@@ -60,14 +64,19 @@ def aggregate_mode(work: Path, tokenizer, max_model_len: int) -> Mode:
                *map(len, texts), *map(count, texts)]
     public = [max_model_len, bound, cfg.max_tokens, cfg.answer_tokens, cfg.max_document_tokens, cfg.members,
               int(cfg.total_epsilon)]
-    return Mode("aggregate", section, Private.of(texts, [d["id"] for d in docs], derived, public))
+    epsilons = (cfg.min_epsilon, (cfg.min_epsilon + cfg.epsilon) / 2, cfg.epsilon, cfg.cap)
+    options = {"dp_context": tuple(cfg.contexts), "dp_epsilon": epsilons}
+    return Mode("aggregate", section, Private.of(texts, [d["id"] for d in docs], derived, public), options=options)
 
 
 def prompt_mode(work: Path, tokenizer, max_model_len: int) -> Mode:
     """Prompt privatization (``dp_privacy.prompt`` at its defaults): no private documents; the
     clients' prompts are private, so no log line may hold one."""
+    from vllm_dp_plugin.prompt.options import PROMPT_MECHANISMS
+
     section = {"key_file": str(work / "noise-prompt.key"), "prompt": {}}
-    return Mode("prompt", section, Private.of([], public=[max_model_len]), private_requests=True)
+    options = {"dp_epsilon": (1.0, 10.0, 30.0, 100.0), "dp_mechanism": PROMPT_MECHANISMS, "dp_session": ()}
+    return Mode("prompt", section, Private.of([], public=[max_model_len]), private_requests=True, options=options)
 
 
 def attention_mode(work: Path, tokenizer, max_model_len: int) -> Mode:
@@ -81,8 +90,11 @@ def attention_mode(work: Path, tokenizer, max_model_len: int) -> Mode:
     section["ledger_file"] = str(work / "releases-attention.jsonl")
     text = Path(section["attention"]["private_context"]).read_text()
     tokens = len(tokenizer.encode(text, add_special_tokens=False))
+    from vllm_dp_plugin.config import DEFAULT_CONTEXT
+
     return Mode("attention", section, Private.of([text], derived=[len(text), len(text.strip())],
-                                                 public=[max_model_len, tokens]))
+                                                 public=[max_model_len, tokens]),
+                options={"dp_context": (DEFAULT_CONTEXT,)})
 
 
 MODES = {"aggregate": aggregate_mode, "prompt": prompt_mode, "attention": attention_mode}

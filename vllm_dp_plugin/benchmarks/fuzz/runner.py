@@ -1,19 +1,24 @@
 """Schemathesis over a served API: every operation of its ``/openapi.json`` gets cases from
-schemathesis' Hypothesis strategies (half that fit the schema, half that do not), each case is
-sent (over HTTP, or in-process to an ASGI app) with its generation bounded (``bound_body``), and
-its response judged by ``checks.check_response``; ``/v1/dp/budget`` is read after every case
-and judged by ``checks.budget_problems``. Nothing stops at a failure: every case is counted
-(``Tally``), per operation, status and failure."""
+schemathesis' Hypothesis strategies (half that fit the schema, half that do not; the DP routes
+also client-shaped ones and ``dp`` ones: a schemathesis body under a client's conversation with
+the mode's DP options), the chat route ``CHAT_SHARE`` of all cases; each case is sent (over
+HTTP, or in-process to an ASGI app) with its generation bounded (``bound_body``), and its
+response judged by ``checks.check_response``; ``/v1/dp/budget`` is read after every case and
+judged by ``checks.budget_problems``. Nothing stops at a failure: every case is counted
+(``Tally``), per operation, kind of case, status and failure."""
 
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from vllm_dp_plugin.benchmarks.fuzz.checks import (
+    DP_FIELDS,
+    DP_HEADER_PREFIX,
     Private,
     Verdict,
     budget_problems,
@@ -23,10 +28,20 @@ from vllm_dp_plugin.benchmarks.fuzz.checks import (
 )
 
 BUDGET = "/v1/dp/budget"
-# The routes a DP mode answers itself (chat, completions) and its statement get this weight in
-# the split of cases over operations; every other operation weight 1.
+CHAT = "POST /v1/chat/completions"
+# The chat route gets this share of a run's cases (the route every DP mode answers with its DP
+# path; at the weights alone it got 3-5% of them: its cases are the slow ones, and a time limit
+# cut it first). The other routes a DP mode answers itself (completions) and its statement split
+# the rest at this weight; every other operation weight 1.
+CHAT_SHARE = 0.5
 DP_WEIGHT = 24
-DP_OPERATIONS = ("POST /v1/chat/completions", "POST /v1/completions", f"GET {BUDGET}")
+DP_OPERATIONS = (f"GET {BUDGET}", CHAT, "POST /v1/completions")  # in their order in a run
+# The kinds of case a DP route gets, and their weights in its split: schemathesis' positive and
+# negative cases, client-shaped bodies (``SHAPED``) and ``dp``: a schemathesis positive body
+# with a client's core laid over it (a valid-ish conversation or prompt, the DP options of the
+# served mode, streaming), the kind that reaches the DP path most often. Other operations get
+# the first two, evenly.
+KIND_WEIGHTS = {"positive": 1, "negative": 1, "shaped": 1, "dp": 2}
 GENERATION_CAP = 16  # max_tokens, max_completion_tokens, min_tokens of a case
 CAPPED_FIELDS = ("max_tokens", "max_completion_tokens", "min_tokens", "max_output_tokens")
 SAMPLES_CAP = 2  # n, best_of
@@ -87,9 +102,15 @@ class OperationTally:
     messages: Counter = field(default_factory=Counter)  # (status, error message) -> cases
     released_text: int = 0  # responses whose DP release holds a shingle of a document
     seconds: float = 0.0
+    kinds: Counter = field(default_factory=Counter)  # (kind of case, status) -> cases
+    receipts: int = 0  # responses carrying a DP receipt (dp_receipt, dp_prompt_receipts, x-dp-* header)
 
     def to_json(self) -> dict:
+        kinds: dict[str, dict[str, int]] = {}
+        for (kind, status), n in sorted(self.kinds.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+            kinds.setdefault(kind, {})[str(status)] = n
         return {"cases": self.cases, "statuses": {str(k): v for k, v in sorted(self.statuses.items())},
+                "kinds": kinds, "receipts": self.receipts,
                 "failures": dict(self.failures), "examples": self.examples,
                 "no_field_400": sum(self.unnamed.values()),
                 "no_field_messages": dict(self.unnamed.most_common(10)),
@@ -104,10 +125,13 @@ class Tally:
     budget_failures: Counter = field(default_factory=Counter)
     request_texts: set[str] = field(default_factory=set)
 
-    def add(self, operation: str, status: int, verdict: Verdict, seconds: float, curl: str) -> None:
+    def add(self, operation: str, status: int, verdict: Verdict, seconds: float, curl: str, kind: str = "",
+            receipt: bool = False) -> None:
         op = self.operations.setdefault(operation, OperationTally())
         op.cases += 1
         op.statuses[status] += 1
+        op.kinds[kind, status] += 1
+        op.receipts += receipt
         op.seconds += seconds
         op.released_text += bool(verdict.released_text)
         if verdict.names_field is False:
@@ -126,7 +150,10 @@ class Tally:
         for op in self.operations.values():
             statuses.update(op.statuses)
             failures.update(op.failures)
-        return {"cases": sum(op.cases for op in self.operations.values()),
+        cases = sum(op.cases for op in self.operations.values())
+        chat = self.operations.get(CHAT, OperationTally()).cases
+        return {"cases": cases, "chat_cases": chat, "chat_share": chat / cases if cases else None,
+                "receipts": sum(op.receipts for op in self.operations.values()),
                 "statuses": {str(k): v for k, v in sorted(statuses.items())},
                 "failures": sum(failures.values()) + sum(self.budget_failures.values()),
                 "failure_kinds": dict(failures),
@@ -139,12 +166,24 @@ def operation_name(operation) -> str:
     return f"{operation.method.upper()} {operation.path}"
 
 
-def split_cases(names: Iterable[str], cases: int) -> dict[str, int]:
-    """Cases per operation: ``DP_WEIGHT`` for ``DP_OPERATIONS``, 1 for the others (at least 2)."""
+def split_cases(names: Iterable[str], cases: int, chat_share: float = CHAT_SHARE) -> dict[str, int]:
+    """Cases per operation: ``chat_share`` of them for ``CHAT`` (where served), the rest split
+    at ``DP_WEIGHT`` for the other ``DP_OPERATIONS`` and 1 for the others (at least 2 each)."""
     names = list(names)
-    weights = {n: DP_WEIGHT if n in DP_OPERATIONS else 1 for n in names}
+    if not 0.0 <= chat_share < 1.0:
+        raise ValueError(f"chat_share must lie in [0, 1), got {chat_share!r}")
+    chat = math.ceil(cases * chat_share) if CHAT in names else 0
+    weights = {n: DP_WEIGHT if n in DP_OPERATIONS else 1 for n in names if n != CHAT}
     total = sum(weights.values())
-    return {n: max(2, round(cases * w / total)) for n, w in weights.items()}
+    plan = {n: max(2, round((cases - chat) * w / total)) for n, w in weights.items()}
+    return {**plan, CHAT: max(2, chat)} if CHAT in names else plan
+
+
+def run_order(name: str) -> tuple[bool, int]:
+    """An operation's place in a run: the others first (their shortfall goes to the DP
+    operations), then ``DP_OPERATIONS`` in order: the statement, the chat route (first to the
+    budget in DP aggregation), the completions route."""
+    return name in DP_OPERATIONS, DP_OPERATIONS.index(name) if name in DP_OPERATIONS else 0
 
 
 class OutOfTime(BaseException):
@@ -158,13 +197,18 @@ class Fuzzer:
     ``budget() -> statement | None`` reads ``/v1/dp/budget`` (None where it is not served);
     ``count``: the served tokenizer's token count (public numbers of a request); ``model``: the
     served model's name (shaped cases carry it); ``deadline``: a ``time.monotonic()`` after
-    which no case starts, split over the operations (``run``), their counts as they are."""
+    which no case starts, split over the operations (``run``), their counts as they are;
+    ``chat_share``: the share of the cases the chat route gets (``split_cases``); ``options``:
+    the served mode's ``vllm_xargs`` DP options and values a client would send (``dp`` cases)."""
 
     def __init__(self, schema, private: Private, send, budget, count: Callable[[str], int] | None = None,
                  model: str = "m", cap: int = GENERATION_CAP, seed: int = 0, deadline: float = float("inf"),
-                 log: Callable[[str], None] = lambda _: None):
+                 log: Callable[[str], None] = lambda _: None, chat_share: float = CHAT_SHARE,
+                 options: Mapping[str, Sequence] | None = None):
         self.schema, self.private, self.send, self.budget = schema, private, send, budget
         self.count, self.model, self.cap, self.seed, self.log = count, model, cap, seed, log
+        self.chat_share = chat_share
+        self.options = dict(DEFAULT_OPTIONS if options is None else options)
         self.deadline, self.slice_end = deadline, deadline
         self.cut: list[str] = []  # operations whose time slice ran out
         self.tally = Tally()
@@ -181,17 +225,16 @@ class Fuzzer:
     def run(self, cases: int) -> Tally:
         """About ``cases`` cases over every operation (``split_cases``): operations whose input
         space is smaller (a GET without parameters) run fewer, their shortfall goes to the
-        DP operations, run last. Before the ``deadline`` each operation gets a slice of the
-        time left in proportion to its planned cases (a slow box cuts every operation alike)."""
-        operations = sorted(self.operations(), key=lambda o: (operation_name(o) in DP_OPERATIONS,
-                                                              operation_name(o) != f"GET {BUDGET}"))
-        plan = split_cases(map(operation_name, operations), cases)
+        DP operations, run last (``run_order``), which share what is left in proportion to
+        their plan (so the chat route gets at least its share). Before the ``deadline`` each
+        operation gets a slice of the time left in proportion to its planned cases."""
+        operations = sorted(self.operations(), key=lambda o: run_order(operation_name(o)))
+        plan = split_cases(map(operation_name, operations), cases, self.chat_share)
         left = cases
         for i, operation in enumerate(operations):
             name = operation_name(operation)
-            # the DP operations, last, share what is left evenly
-            share = plan[name] if name not in DP_OPERATIONS else max(2, round(left / (len(operations) - i)))
             planned = sum(plan[operation_name(o)] for o in operations[i:])
+            share = plan[name] if name not in DP_OPERATIONS else max(2, round(left * plan[name] / planned))
             now = time.monotonic()
             self.slice_end = min(self.deadline, now + (self.deadline - now) * plan[name] / planned)
             before = self.tally.operations.get(name, OperationTally()).cases
@@ -205,32 +248,37 @@ class Fuzzer:
         return self.tally
 
     def _run_operation(self, operation, n: int) -> None:
-        from hypothesis import HealthCheck, Phase, given, settings
-        from hypothesis import seed as hypothesis_seed
-        from hypothesis.errors import HypothesisException
         from schemathesis import GenerationMode
 
         strategies = {mode.value: operation.as_strategy(generation_mode=mode)
                       for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)}
         if operation.path in SHAPED:
             strategies["shaped"] = SHAPED[operation.path](self.model).flatmap(lambda b: operation.as_strategy(body=b))
+            strategies["dp"] = dp_cases(strategies["positive"], DP_CORES[operation.path](self.model, self.options))
+        counts = kind_counts(list(strategies), n)
         for k, (kind, strategy) in enumerate(strategies.items()):
-            count = n // len(strategies) + (k < n % len(strategies))
+            self._run_kind(operation, kind, strategy, counts[kind], self.seed + k)
 
-            @hypothesis_seed(self.seed + k)
-            @settings(max_examples=max(count, 1), deadline=None, database=None, phases=[Phase.generate],
-                      suppress_health_check=list(HealthCheck), report_multiple_bugs=False)
-            @given(strategy)
-            def test(case):
-                self.one(case)
+    def _run_kind(self, operation, kind: str, strategy, count: int, seed: int) -> None:
+        """``count`` cases of one ``kind`` drawn from ``strategy`` (Hypothesis seeded with ``seed``)."""
+        from hypothesis import HealthCheck, Phase, given, settings
+        from hypothesis import seed as hypothesis_seed
+        from hypothesis.errors import HypothesisException
 
-            try:
-                test()
-            except HypothesisException as exc:  # no case of this kind (nothing to negate)
-                self.log(f"fuzz: {operation_name(operation)} {kind}: {type(exc).__name__}")
+        @hypothesis_seed(seed)
+        @settings(max_examples=max(count, 1), deadline=None, database=None, phases=[Phase.generate],
+                  suppress_health_check=list(HealthCheck), report_multiple_bugs=False)
+        @given(strategy)
+        def test(case):
+            self.one(case, kind)
 
-    def one(self, case) -> None:
-        """Send one case, judge its response and the budget statement after it."""
+        try:
+            test()
+        except HypothesisException as exc:  # no case of this kind (nothing to negate)
+            self.log(f"fuzz: {operation_name(operation)} {kind}: {type(exc).__name__}")
+
+    def one(self, case, kind: str = "") -> None:
+        """Send one case (of ``kind``), judge its response and the budget statement after it."""
         if time.monotonic() > self.slice_end:
             raise OutOfTime
         name = operation_name(case.operation)
@@ -247,7 +295,8 @@ class Fuzzer:
             fields = request_fields(body) | _schema_fields(case.operation)
             verdict = check_response(self.private, status, headers, text,
                                      public_numbers(body, self.count), fields)
-        self.tally.add(name, status, verdict, time.perf_counter() - start, _curl(case))
+        self.tally.add(name, status, verdict, time.perf_counter() - start, _curl(case), kind,
+                       has_receipt(headers, text))
         statement = self.budget()
         if statement is not None:
             self.tally.budget_reads += 1
@@ -310,6 +359,110 @@ def _completion(model: str):
 # DP paths: aggregation's members, the renderer, the budget), the third kind of case beside
 # schemathesis' positive and negative ones on these routes.
 SHAPED = {"/v1/chat/completions": _chat, "/v1/completions": _completion}
+
+# The DP options a client sends when the served mode does not say (``Fuzzer(options=...)``;
+# ``modes.Mode.options`` states each mode's).
+DEFAULT_OPTIONS = {"dp_context": ("c", "default"), "dp_epsilon": (0.5, 1.0, 4.0)}
+# Values of the DP options no mode accepts (wrong types, out of range, unknown names): a tenth
+# of the options a ``dp`` case sends.
+BAD_OPTION_VALUES = (None, -1, 0, 1e9, "", "x", True, [1])
+KEPT_FIELDS = 2  # at most this many fields of a schemathesis positive body stay in a ``dp`` case
+SESSION_ALPHABET = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_"
+
+
+def kind_counts(kinds: Sequence[str], n: int) -> dict[str, int]:
+    """``n`` cases split over ``kinds`` at ``KIND_WEIGHTS`` (1 for a kind not there), the
+    remainder to the first ones."""
+    weights = [KIND_WEIGHTS.get(k, 1) for k in kinds]
+    total = sum(weights)
+    counts = [n * w // total for w in weights]
+    for i in range(n - sum(counts)):
+        counts[i % len(counts)] += 1
+    return dict(zip(kinds, counts, strict=True))
+
+
+def _dp_options(options: Mapping[str, Sequence]):
+    """``vllm_xargs`` as a client of the served mode sends it: each DP option present or not,
+    nine in ten of its values from the mode's accepted ones, the rest ``BAD_OPTION_VALUES``;
+    now and then an option no mode knows (``dp_typo``)."""
+    from hypothesis import strategies as st
+
+    def value(accepted: Sequence):
+        return st.integers(0, 9).flatmap(lambda i: st.sampled_from(list(accepted) if i else BAD_OPTION_VALUES))
+
+    names = {name: value(accepted) for name, accepted in options.items() if accepted}
+    if "dp_session" in options:  # a history cache secret: 22 to 256 characters
+        names["dp_session"] = st.one_of(st.text(SESSION_ALPHABET, min_size=22, max_size=32),
+                                        st.text(SESSION_ALPHABET, max_size=4))
+    rare = st.integers(0, 19).flatmap(lambda i: st.just({}) if i else st.just({"dp_typo": 1}))
+    return st.tuples(st.fixed_dictionaries({}, optional=names), rare).map(lambda t: {**t[0], **t[1]})
+
+
+def _words(min_size: int = 1):
+    from hypothesis import strategies as st
+
+    words = st.sampled_from(["When", "is", "the", "Seattle", "warehouse", "closed", "for", "inventory", "?", "What",
+                             "dairy", "price", "increase", "Who", "approves", "refunds", "alarm", "code", "Q3",
+                             "changes", "in", "our", "company", "meeting", "on", "Friday", "depot", "manager"])
+    return st.lists(words, min_size=min_size, max_size=16).map(" ".join)
+
+
+def _dp_core(model: str, options: Mapping[str, Sequence], prompt):
+    """What a client of a DP mode sends: the served model (now and then another), ``prompt``
+    (the route's own field: messages or a prompt), a short generation, streaming or not,
+    sampling, the mode's DP options in ``vllm_xargs`` (nine in ten)."""
+    from hypothesis import strategies as st
+
+    return st.tuples(st.fixed_dictionaries(
+        {"model": st.integers(0, 19).map(lambda i: model if i else "other-model"),
+         "max_tokens": st.integers(1, GENERATION_CAP), "stream": st.booleans()},
+        optional={"temperature": st.floats(0.0, 1.5), "seed": st.integers(0, 2**31 - 1),
+                  "stream_options": st.just({"include_usage": True})}),
+        prompt, st.integers(0, 9).flatmap(lambda i: _dp_options(options) if i else st.just(None))).map(
+        lambda t: {**t[0], **t[1], **({} if t[2] is None else {"vllm_xargs": t[2]})})
+
+
+def _dp_chat(model: str, options: Mapping[str, Sequence]):
+    """A ``dp`` chat core: up to two earlier turns (system, user or assistant), then the user's
+    question."""
+    from hypothesis import strategies as st
+
+    turn = st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]), "content": _words()})
+    messages = st.tuples(st.lists(turn, max_size=2), _words()).map(
+        lambda t: {"messages": [*t[0], {"role": "user", "content": t[1]}]})
+    return _dp_core(model, options, messages)
+
+
+def _dp_completion(model: str, options: Mapping[str, Sequence]):
+    return _dp_core(model, options, _words().map(lambda p: {"prompt": p}))
+
+
+DP_CORES = {"/v1/chat/completions": _dp_chat, "/v1/completions": _dp_completion}
+
+
+def dp_cases(positive, core):
+    """``dp`` cases: each a schemathesis positive case of the route whose body keeps at most
+    ``KEPT_FIELDS`` of its fields (drawn) under a client's ``core`` (``DP_CORES``)."""
+    from hypothesis import strategies as st
+
+    def overlay(case):
+        body = case.body if isinstance(case.body, dict) else {}
+        keys = sorted(body, key=str)
+        kept = st.lists(st.sampled_from(keys), max_size=KEPT_FIELDS, unique=True) if keys else st.just([])
+
+        def build(drawn):
+            chosen, client = drawn
+            case.body = {**{k: body[k] for k in chosen}, **client}
+            return case
+
+        return st.tuples(kept, core).map(build)
+
+    return positive.flatmap(overlay)
+
+
+def has_receipt(headers: Mapping[str, str], text: str) -> bool:
+    """Whether a response carries a DP receipt (``DP_FIELDS`` in its body or an ``x-dp-*`` header)."""
+    return any(k.startswith(DP_HEADER_PREFIX) for k in headers) or any(f'"{f}"' in text for f in DP_FIELDS)
 
 
 def _schema_fields(operation) -> set[str]:
