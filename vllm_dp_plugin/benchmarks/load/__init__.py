@@ -8,8 +8,10 @@ concurrent OpenAI-shaped clients against it.
   ``--budget-queries`` worst-case queries (it runs out part-way: 429s under concurrency) and the
   ledger equation checked from ``/v1/dp/budget`` and the receipts (``load.ledger``).
 * **soak**: ``--soak-minutes`` at ``--soak-concurrency`` against ``--soak-mode``: the API
-  server's and the engine's RSS and the latency every ``--interval`` seconds, their
-  least-squares trends and a plot (``load.soak``).
+  server's and the engine's RSS (and their anonymous parts, each engine process) and the
+  latency every ``--interval`` seconds, their least-squares trends over the whole soak, its
+  first and second halves and its last third (warm-up or leak), a row per minute and a plot
+  (``load.soak``).
 
 Generation is bounded: ``--max-tokens`` per answer (and per member answer under
 ``mechanism: answer``), ``--max-model-len``. Results: ``load-<device>-<date>.{json,md}`` and
@@ -130,7 +132,8 @@ def soak_run(args: argparse.Namespace, work: Path, log) -> tuple[dict, list[soak
                "interval_s": args.interval, "processes": processes.names(), "loadavg_before": load_before,
                "loadavg_after": loadavg(), **counts,
                "trends": soak.summary(samples, args.soak_minutes, args.flat_tolerance),
-               "flat_tolerance": args.flat_tolerance, "samples": soak.samples_json(samples)}
+               "flat_tolerance": args.flat_tolerance, "windows": soak.WINDOWS,
+               "per_minute": soak.per_minute(samples), "samples": soak.samples_json(samples)}
     log(f"soak: {counts}, trends {out['trends']}")
     return out, samples
 
@@ -166,7 +169,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict:
         results["soak"] = {"meta": meta, **out}
         write_json(suffixed(stem, ".json"), results["soak"], newline=True)
         png = soak.plot(samples, f"soak: {args.soak_mode}, {args.soak_concurrency} clients, {args.soak_minutes:g} min "
-                                 f"(shared 2-core box)", suffixed(stem, ".png"))
+                                 f"(shared 2-core box)", suffixed(stem, ".png"), args.soak_minutes)
         write_text(suffixed(stem, ".md"), report.soak_markdown(meta, out, png))
         log(f"wrote {suffixed(stem, '.md')}")
     return results

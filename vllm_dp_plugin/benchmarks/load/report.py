@@ -65,13 +65,26 @@ def _ledger_lines(r: dict) -> list[str]:
             f"check {kind}: {verdict}. Spent in all: {after['spent_epsilon']!r} of {after['total_epsilon']!r}.")]
 
 
+QUANTITY_NAMES = {"api_rss_mib": "API server RSS (MiB)", "engine_rss_mib": "engine RSS (MiB)",
+                  "api_anon_mib": "API server anonymous RSS (MiB)", "engine_anon_mib": "engine anonymous RSS (MiB)",
+                  "p50_ms": "median latency (ms)"}
+WINDOW_NAMES = {"all": "whole soak", "first_half": "first half", "second_half": "second half",
+                "last_third": "last third"}
+VERDICT = {True: "flat", False: "NOT flat", None: "n/a"}
+
+
+def _quantity(key: str) -> str:
+    if key.startswith("engine_parts:"):
+        return f"engine process `{key.split(':', 1)[1]}` RSS (MiB)"
+    return QUANTITY_NAMES.get(key, key)
+
+
 def soak_markdown(meta: dict, out: dict, png: Path) -> str:
     t = out["trends"]
-    rows = [[name, t[key]["first"], t[key]["last"], t[key]["median"], t[key]["per_minute"],
-             {True: "flat", False: "NOT flat", None: "n/a"}[t[key]["flat"]]]
-            for name, key in (("API server RSS (MiB)", "api_rss_mib"), ("engine RSS (MiB)", "engine_rss_mib"),
-                              ("median latency (ms)", "p50_ms"))]
-    return "\n".join([
+    rows = [[_quantity(key), *[t[key][k] if key == "p50_ms" else _mib(t[key][k]) for k in ("first", "last", "median")],
+             t[key]["per_minute"], VERDICT[t[key]["flat"]]] for key in t]
+    parts = [key for key in t if "windows" in t[key]]
+    lines = [
         f"# Soak ({meta['date']}): {out['mode']}, {out['concurrency']} clients, {out['minutes']:g} min", "",
         *_setup(meta),
         (f"Every other request streamed, {meta['settings']['cancel_fraction']:g} given up by the client; "
@@ -80,5 +93,38 @@ def soak_markdown(meta: dict, out: dict, png: Path) -> str:
         f"the interval. Requests: {out['requests']} ({out['cancelled']} given up), statuses {out['status']}. Load "
         f"average before/after: {out['loadavg_before']} / {out['loadavg_after']}."), "",
         table(["quantity", "first", "last", "median", "least-squares slope /min", "verdict"], rows), "",
-        f"Flat: the fitted line moves less than {out['flat_tolerance']:g} of the median over the soak.", "",
-        f"![soak]({png.name})", f"Plot: `{shown(png)}`.", ""])
+        f"Flat: the fitted line moves less than {out['flat_tolerance']:g} of the median over the soak.", ""]
+    if parts:
+        names = list(t[parts[0]]["windows"])
+        lines += ["## Slopes over the parts of the soak", "",
+                  ("Least-squares slope per minute over each part (and the change from its first sample to its "
+                   "last); a warm-up that settles has a second half and a last third flatter than the first half, "
+                   "a leak keeps its slope. Flat: the part's slope, held over the whole soak, would move the "
+                   f"quantity by less than {out['flat_tolerance']:g} of its median."), "",
+                  table(["quantity", *[f"{WINDOW_NAMES.get(n, n)} /min (change)" for n in names], "last third"],
+                        [[_quantity(key), *[_slope_cell(t[key]["windows"][n]) for n in names],
+                          VERDICT[t[key]["windows"][names[-1]]["flat"]]] for key in parts]), ""]
+    minutes = out.get("per_minute") or []
+    if minutes:
+        engines = list(dict.fromkeys(name for m in minutes for name in (m.get("engine_parts") or {})))
+        lines += ["## RSS per minute", "",
+                  ("The last sample of each minute (MiB; anonymous: `RssAnon`), and the requests answered in full "
+                   "(of those ended) in that minute."), "",
+                  table(["minute", "API server", "API server anon", "engine", "engine anon",
+                         *[f"`{name}`" for name in engines], "answered (ended)"],
+                        [[m["minute"], *map(_mib, (m["api_rss_mib"], m.get("api_anon_mib"), m["engine_rss_mib"],
+                                                   m.get("engine_anon_mib"))),
+                          *[_mib((m.get("engine_parts") or {}).get(name)) for name in engines],
+                          f"{m['completed']} ({m['ended']})"] for m in minutes]), ""]
+    lines += [f"![soak]({png.name})", f"Plot: `{shown(png)}`.", ""]
+    return "\n".join(lines)
+
+
+def _mib(value) -> str:
+    return "n/a" if value is None else f"{value:.1f}"
+
+
+def _slope_cell(w: dict) -> str:
+    if w["per_minute"] is None:
+        return "n/a"
+    return f"{fmt(w['per_minute'])} ({fmt(w['change'])})"
