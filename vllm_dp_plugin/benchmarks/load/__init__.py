@@ -46,7 +46,7 @@ from vllm_dp_plugin.benchmarks.lib.environment import (
 )
 from vllm_dp_plugin.benchmarks.lib.progress import logger
 from vllm_dp_plugin.benchmarks.lib.report import suffixed, write_json, write_text
-from vllm_dp_plugin.benchmarks.lib.vllm import RunningServer
+from vllm_dp_plugin.benchmarks.lib.vllm import RunningServer, with_env
 from vllm_dp_plugin.benchmarks.load import client, ledger, report, soak
 from vllm_dp_plugin.benchmarks.load.modes import MODES, server_command
 from vllm_dp_plugin.benchmarks.load.stats import histogram, latency_summary
@@ -100,7 +100,7 @@ def load_mode(mode: str, args: argparse.Namespace, work: Path, log) -> dict:
     """One mode's server, warm-up, load run and (``aggregate``) ledger check."""
     cmd = server_command(mode, args.model, work, args.kv_sequences, args.max_model_len, args.budget_queries,
                          args.max_tokens)
-    with RunningServer(cmd, work / f"serve-{mode}.log", timeout=900) as server:
+    with RunningServer(cmd, work / f"serve-{mode}.log", env=server_env(args), timeout=900) as server:
         warm = client.plan(2, 0.0, seed=-1)
         asyncio.run(client.run(server.base, warm, args.model, args.max_tokens, 2))
         before = ledger.LedgerSnapshot.from_statement(budget(server.base)) if mode == "aggregate" else None
@@ -118,10 +118,22 @@ def load_mode(mode: str, args: argparse.Namespace, work: Path, log) -> dict:
     return row
 
 
+def server_env(args: argparse.Namespace) -> dict | None:
+    """The servers' environment: this process's with ``--server-env`` applied (None: unchanged)."""
+    return with_env(dict(args.server_env)) if args.server_env else None
+
+
+def _env_pair(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep or not name.strip():
+        raise argparse.ArgumentTypeError(f"--server-env takes NAME=VALUE, got {text!r}")
+    return name.strip(), value
+
+
 def soak_run(args: argparse.Namespace, work: Path, log) -> tuple[dict, list[soak.Sample]]:
     cmd = server_command(args.soak_mode, args.model, work, args.kv_sequences, args.max_model_len,
                          10**9 if args.soak_mode == "aggregate" else None, args.max_tokens)
-    with RunningServer(cmd, work / f"serve-soak-{args.soak_mode}.log", timeout=900) as server:
+    with RunningServer(cmd, work / f"serve-soak-{args.soak_mode}.log", env=server_env(args), timeout=900) as server:
         processes = soak.ServerProcesses(server.proc.pid)
         asyncio.run(client.run(server.base, client.plan(2, 0.0, seed=-1), args.model, args.max_tokens, 2))
         load_before = loadavg()
@@ -215,6 +227,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=1800.0,
                    help="client timeout per request in seconds (default 1800: 64 aggregation queries share the engine)")
     p.add_argument("--seed", type=int, default=0, help="request plan seed (default 0)")
+    p.add_argument("--server-env", type=_env_pair, action="append", default=[], metavar="NAME=VALUE",
+                   help="set NAME=VALUE in the servers' environment (repeatable), e.g. an allocator setting "
+                        "(GLIBC_TUNABLES=..., LD_PRELOAD=...) to tell allocator retention from a leak")
     return p
 
 

@@ -15,7 +15,9 @@ def _setup(meta: dict) -> list[str]:
             f"uvicorn {env['uvicorn']}, starlette {env['starlette']}. {env['shared']} (load average at the start "
             f"{env['loadavg']})."), "",
             (f"Model `{s['model']}`, `--max-model-len {s['max_model_len']}`, KV cache for {s['kv_sequences']} such "
-            f"sequences, `max_tokens` {s['max_tokens']} (aggregate: also each member's answer), greedy."), ""]
+            f"sequences, `max_tokens` {s['max_tokens']} (aggregate: also each member's answer), greedy."
+            + ("" if not s.get("server_env") else " Server environment: "
+               + ", ".join(f"`{k}={v}`" for k, v in s["server_env"]) + ".")), ""]
 
 
 def load_markdown(meta: dict, rows: Sequence[dict]) -> str:
