@@ -8,8 +8,17 @@ A real chat model is asked questions about a set of short documents served as it
 * ``public``: a question that needs no context (capital cities, arithmetic): whether the context,
   private or not, makes ordinary answers worse.
 
-An answer is correct when any of the question's ``answers`` occurs (case-insensitive) in the
-first 32 greedy tokens (``temperature 0``, ``max_tokens 32``).
+An answer is correct when any of the question's ``answers`` occurs (case-insensitive, as a whole
+phrase) in the first 32 greedy tokens (``temperature 0``, ``max_tokens 32``). Rows whose responses
+carry a DP receipt (``aggregate_answer``) are also judged on what they release and say
+(``scoring``'s docstring has the exact rules): the **wrong-release rate** (shared and secret
+questions whose reply states a released fact that is not the answer), the **fragment rate**
+(a released part of the answer: "12" for "Room 12"), and their **fallbacks** (nothing released):
+the share not marked as not from the documents (``aggregate.reply.NOT_FROM_DOCUMENTS``, then
+``GENERAL_KNOWLEDGE`` before a public answer) and the share that states a specific the question
+does not. Every row: the **unsupported-specific rate** (replies to shared and secret questions
+that add a number, date or name found in neither the question nor the released fact; ``full``:
+nor the documents).
 
 Rows (``ROWS``, one entry per way of serving; a new mechanism is one more entry):
 
@@ -42,16 +51,26 @@ One server per (row, eps) (rows with the same server, ``none`` and ``full``, sha
 with ``contexts_per_server`` splits the scenarios over several servers: ``dp_tree``'s releases
 are GBs), 8 requests in flight. DP rows use a key file and a release ledger in a temporary
 directory of the run (never the operator's) and a calibration of the model on public text, cached
-in ``--cache-dir``. Writes ``context-<device>-<date>.{md,json,png}`` into ``--out``; with
+in ``--cache-dir``. Writes ``context-<device>-<date>.{md,json,png}`` into ``--out``
+(``context-quick-...`` for ``--quick``, ``context-<scenarios file stem>-...`` for another
+``--scenarios``); the JSON keeps every answer (``sample_answers``: question, reply, released fact,
+its class, the specifics it adds) and the scenarios file's sha256; with
 ``--append`` the rows of an existing file of that name that this run does not measure are kept
 (add one mechanism without re-running the others).
 
-Scenarios: ``vllm_dp_plugin/benchmarks/data/context-scenarios.jsonl`` (24, ``--make-scenarios`` with seed 0),
-one JSON object per line::
+Scenarios: ``vllm_dp_plugin/benchmarks/data/context-scenarios.jsonl`` (24, ``--make-scenarios`` with seed 0,
+style ``realistic``: ``lib.scenario_generator``: companies with several sites, teams and products,
+30 documents of 2-4 sentences behind headers with ids, the asked property also stated for other
+entities, answers with common words; the set bundled before issue 48 is
+``data/context-scenarios-simple.jsonl``, ``--style simple``). A held-out set that nobody tunes
+to: ``--make-scenarios OUT --seed 101`` (any other seed), then ``--scenarios OUT``; its results
+are named ``context-<file stem>-<device>-<date>``. One JSON object per line::
 
     {"id": str, "documents": [str, ...],
      "questions": [{"q": str, "answers": [str, ...], "kind": "shared" | "secret" | "public",
                     "support": int}, ...]}
+
+``answers`` are the accepted surface forms ("Room 12", "room 12"), the documents' own first.
 
 The suite is a package (its scenario generator is ``lib.scenario_generator``): ``scoring`` (answers, result rows),
 ``rows`` (``ROWS``: servers and requests), ``report`` (markdown, plot), ``running`` (``Bench``,
@@ -62,6 +81,7 @@ servers, ``run``), ``speed`` (``--speed``) and here ``add_cli_args`` and ``main`
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import platform
 import shutil
@@ -88,7 +108,7 @@ from vllm_dp_plugin.benchmarks.context.speed import (
 from vllm_dp_plugin.benchmarks.lib.cli import DEFAULT_OUT, parse, today
 from vllm_dp_plugin.benchmarks.lib.environment import default_device, device_label
 from vllm_dp_plugin.benchmarks.lib.report import shown, suffixed, write_json, write_text
-from vllm_dp_plugin.benchmarks.lib.scenario_generator import make_scenarios, write_scenarios
+from vllm_dp_plugin.benchmarks.lib.scenario_generator import STYLES, make_scenarios, write_scenarios
 from vllm_dp_plugin.benchmarks.lib.scenarios import (
     ANSWER_TOKENS,
     DEFAULT_CACHE,
@@ -135,9 +155,15 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              f"numbers of questions in flight (comma-separated, e.g. 1,4,16), {SWEEP_REPEATS} "
                              "repeats, median, on generated collections (one locked timed run per row)")
     parser.add_argument("--make-scenarios", type=Path, metavar="OUT",
-                        help="write --count generated scenarios (seed --seed) to OUT and exit")
+                        help="write --count generated scenarios (seed --seed, --style) to OUT and exit; a held-out "
+                             "set: another seed, e.g. --make-scenarios /tmp/heldout.jsonl --seed 101, then "
+                             "--scenarios /tmp/heldout.jsonl")
     parser.add_argument("--count", type=int, default=24, help="scenarios to generate (--make-scenarios)")
-    parser.add_argument("--seed", type=int, default=0, help="generator seed (--make-scenarios)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="generator seed (--make-scenarios; the bundled set is seed 0)")
+    parser.add_argument("--style", choices=tuple(STYLES), default="realistic",
+                        help="generator style (--make-scenarios): realistic (the bundled set) or simple (the set "
+                             "bundled before issue 48)")
     return parser
 
 
@@ -146,14 +172,18 @@ def build_parser(prog: str = "vllm-dp bench context") -> argparse.ArgumentParser
 
 
 def kept_rows(path: Path | None, model: str, scenarios: str, max_tokens: int,
-              jobs: Sequence[tuple[str, float | None]]) -> dict:
+              jobs: Sequence[tuple[str, float | None]], scenarios_sha256: str | None = None) -> dict:
     """``--append``: what an earlier result file at ``path`` keeps (its rows, budget statements and
     sample answers that ``jobs`` does not re-measure, and its commands); it must be of the same
-    model, scenarios file and answer length (``--limit`` may differ: rows state their questions)."""
+    model, scenarios file (and its content, where the file records its digest) and answer length
+    (``--limit`` may differ: rows state their questions). Files written before a field existed
+    are read as they are (rows without the release metrics show them empty)."""
     if path is None or not path.exists():
         return {"rows": [], "budgets": [], "sample_answers": [], "commands": []}
     old = json.loads(path.read_text())
     same = {"model": model, "scenarios": scenarios, "max_tokens": max_tokens}
+    if scenarios_sha256 is not None and old.get("scenarios_sha256") is not None:
+        same["scenarios_sha256"] = scenarios_sha256
     if any(old.get(k) != v for k, v in same.items()):
         raise SystemExit(f"--append: {path} was measured with "
                          f"{ {k: old.get(k) for k in same} }, this run with {same}; choose another --out")
@@ -167,12 +197,20 @@ def kept_rows(path: Path | None, model: str, scenarios: str, max_tokens: int,
             "commands": [*old.get("earlier_commands", []), old["command"]]}
 
 
+def result_stem(out: Path, quick: bool, scenarios: Path, device: str, date: str) -> Path:
+    """Where a run's results go: ``context[-quick][-<scenarios file stem>]-<device>-<date>``, the
+    file's stem only when it is not the bundled set (a held-out set never overwrites its results)."""
+    own = [] if Path(scenarios).resolve() == DEFAULT_SCENARIOS.resolve() else [Path(scenarios).stem]
+    return Path(out) / "-".join(["context", *(["quick"] if quick else []), *own, device, date])
+
+
 def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
     """``args``: parsed arguments (``add_cli_args``) or an argv list (``vllm-dp bench context ...``)."""
     args, argv = parse(args, build_parser)
     if args.make_scenarios is not None:
-        path = write_scenarios(make_scenarios(args.count, args.seed), args.make_scenarios)
-        print(f"{args.count} scenarios (seed {args.seed}) written to {path}")
+        path = write_scenarios(make_scenarios(args.count, args.seed, args.style), args.make_scenarios)
+        print(f"{args.count} {args.style} scenarios (seed {args.seed}) written to {path}; run them with "
+              f"`vllm-dp bench context --scenarios {path}`")
         return 0
     rows = [r for r in args.rows.split(",") if r]
     eps = [float(e) for e in args.eps.split(",") if e]
@@ -224,14 +262,15 @@ def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
     for q in questions:
         if q["kind"] == "shared":
             by_support[str(q["support"])] = by_support.get(str(q["support"]), 0) + 1
-    stem = args.out / f"context-{device}-{date}"
+    digest = hashlib.sha256(Path(args.scenarios).read_bytes()).hexdigest()
+    stem = result_stem(args.out, args.quick, args.scenarios, device, date)
 
     kept = kept_rows(suffixed(stem, ".json") if args.append else None, model, shown(args.scenarios), max_tokens,
-                     jobs_of(rows, eps))
+                     jobs_of(rows, eps), digest)
 
     def write(results, budgets, samples) -> None:
         data = {"model": model, "device": device, "date": date, "scenarios": shown(args.scenarios),
-                "rows": kept["rows"] + results,
+                "scenarios_sha256": digest, "rows": kept["rows"] + results,
                 "command": command.strip(), "earlier_commands": kept["commands"],
                 "platform": platform.platform(), "n_scenarios": len(every),
                 "question_counts": {k: sum(q["kind"] == k for q in questions) for k in KINDS},

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from vllm_dp_plugin.benchmarks.context.rows import DELTA, ROWS
+from vllm_dp_plugin.benchmarks.context.scoring import RELEASE_CLASSES
 from vllm_dp_plugin.benchmarks.lib.report import pyplot, save_figure
 
 KERNEL_ONLY_EPS = 1e7  # noise negligible: what remains is the kernel (feature map) error
@@ -17,8 +18,25 @@ def describe(r: dict) -> str:
     if r.get("note"):
         return f"{r['row']}{eps}: {r['note']}"
     shared = ", ".join(f"s{k} {v:.2f}" for k, v in r["shared_accuracy"].items())
+    more = ""
+    if r.get("wrong_release_rate"):
+        more += (f" wrong release {_pair(r['wrong_release_rate'])} fragment {_pair(r['fragment_rate'])} "
+                 f"fallback unmarked {_pct(r.get('fallback_unmarked_rate'))} with a specific "
+                 f"{_pct(r.get('fallback_specific_rate'))} of {r.get('n_fallbacks')}")
+    if r.get("unsupported_specific_rate") is not None:
+        more += f" unsupported specific {r['unsupported_specific_rate']:.2f}"
     return (f"{r['row']}{eps}: shared [{shared}] secret leak {r['secret_leak_rate']:.2f} public "
-            f"{r['public_accuracy']:.2f} ({r['seconds_per_answer']:.3f} s/answer, {r['n_questions']} questions)")
+            f"{r['public_accuracy']:.2f}{more} ({r['seconds_per_answer']:.3f} s/answer, {r['n_questions']} questions)")
+
+
+def _pair(rates: dict | None) -> str:
+    """shared / secret of a rate per kind ("" for rows without it: older files, rows without receipts)."""
+    return "" if not rates else f"{_pct(rates.get('shared'))} / {_pct(rates.get('secret'))}"
+
+
+def _cell(text: str, limit: int = 200) -> str:
+    text = " ".join(text.split())
+    return (text if len(text) <= limit else text[:limit] + "...").replace("|", "\\|")
 
 
 def markdown(data: dict) -> str:
@@ -40,17 +58,44 @@ def markdown(data: dict) -> str:
              "Seconds per answer: wall "
              f"time of the row's requests ({data['concurrency']} in flight) / questions, server start "
              "excluded."), "",
+             ("Released facts (rows with DP receipts, `aggregate_answer`; `benchmarks/context/scoring.py`): "
+              "wrong release = the share of shared (secret) questions whose reply states a released fact "
+              "that is not the answer (another entity's value, a header's word), fragment = a released part "
+              "of the answer (\"12\" for \"Room 12\"); unsupported specific = the share of shared and secret "
+              "questions whose reply adds a number, month or weekday or capitalised name that is in neither "
+              "the question nor the released fact (`full`: nor the documents); fallback unmarked = the share "
+              "of replies with nothing released that do not start with the mechanism's not-from-the-documents "
+              "text (and mark a public answer as general knowledge); fallback specific = the share of shared "
+              "and secret fallbacks that state a specific the question does not."), "",
              "| row | eps | " + " | ".join(f"shared, support {s}" for s in supports)
-             + " | secret leak rate | public accuracy | s / answer | questions |",
-             "|---|---|" + "---|" * len(supports) + "---|---|---|---|"]
+             + " | secret leak rate | public accuracy | wrong release, shared / secret | fragment, shared / secret "
+               "| unsupported specific | fallback unmarked | fallback specific (of) | s / answer | questions |",
+             "|---|---|" + "---|" * len(supports) + "---|---|---|---|---|---|---|---|---|"]
     for r in data["rows"]:
         eps = "" if r["eps"] is None else f"{r['eps']:g}"
         shared = " | ".join(_pct(r["shared_accuracy"].get(str(s))) for s in supports)
         if r.get("note"):
-            lines.append(f"| {r['row']} | {eps} | {r['note']} |" + " |" * (len(supports) + 3) + " 0 |")
+            lines.append(f"| {r['row']} | {eps} | {r['note']} |" + " |" * (len(supports) + 7) + " 0 |")
             continue
+        fallbacks = "" if r.get("n_fallbacks") is None else (
+            f"{_pct(r.get('fallback_specific_rate'))} ({r['n_fallbacks']})")
         lines.append(f"| {r['row']} | {eps} | {shared} | {_pct(r['secret_leak_rate'])} | "
-                     f"{_pct(r['public_accuracy'])} | {r['seconds_per_answer']:.3f} | {r['n_questions']} |")
+                     f"{_pct(r['public_accuracy'])} | {_pair(r.get('wrong_release_rate'))} | "
+                     f"{_pair(r.get('fragment_rate'))} | {_pct(r.get('unsupported_specific_rate'))} | "
+                     f"{_pct(r.get('fallback_unmarked_rate'))} | {fallbacks} | "
+                     f"{r['seconds_per_answer']:.3f} | {r['n_questions']} |")
+    released = [r for r in data["rows"] if r.get("releases")]
+    if released:
+        groups = list(dict.fromkeys(g for r in released for g in r["releases"]))
+        lines += ["", ("Released facts per question (right / fragment / wrong / nothing released), by support "
+                       "of the asked fact:"), "",
+                  "| row | eps | " + " | ".join(g if not g.isdigit() else f"support {g}" for g in groups) + " |",
+                  "|---|---|" + "---|" * len(groups)]
+        for r in released:
+            cells = [" / ".join(str(r["releases"][g][c]) for c in RELEASE_CLASSES) if g in r["releases"] else ""
+                     for g in groups]
+            lines.append(f"| {r['row']} | {r['eps']:g} | " + " | ".join(cells) + " |")
+    lines += _examples(data)
     sheets = [r for r in data["rows"] if r.get("sheet")]
     if sheets:
         recall = sorted({k for r in sheets for k in r["sheet"]["recall"]}, key=int)
@@ -83,6 +128,27 @@ def markdown(data: dict) -> str:
                          f"{_span(kernel)} | "
                          f"{f'{max(logit):.3g}' if logit else ''} |")
     return "\n".join(lines) + "\n"
+
+
+def _examples(data: dict) -> list[str]:
+    """One reply of each kind of release (right, fragment, wrong, fallback) and one that adds an
+    unsupported specific, per row with receipts (from ``sample_answers``)."""
+    out = []
+    for r in (r for r in data["rows"] if r.get("releases")):
+        answers = [a for a in data.get("sample_answers", []) if a["row"] == r["row"] and a["eps"] == r["eps"]]
+        picks = [(c, next((a for a in answers if a.get("release") == c), None)) for c in RELEASE_CLASSES]
+        picks.append(("adds a specific", next((a for a in answers if a.get("unsupported")), None)))
+        picks = [(c, a) for c, a in picks if a is not None]
+        if not picks:
+            continue
+        if not out:
+            out = ["", "Example replies (the first of each kind in the result file's `sample_answers`):", "",
+                   "| row | eps | kind | question | released | reply | unsupported specifics |", "|---|---|---|---|---|---|---|"]
+        for c, a in picks:
+            out.append(f"| {r['row']} | {r['eps']:g} | {'nothing released' if c == 'none' else c} | "
+                       f"{_cell(a.get('question', ''))} | {_cell(a.get('fact') or '')} | {_cell(a['text'])} | "
+                       f"{', '.join(a.get('unsupported') or [])} |")
+    return out
 
 
 def _span(values: Sequence[float | None]) -> str:

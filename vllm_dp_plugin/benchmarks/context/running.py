@@ -16,14 +16,21 @@ from pathlib import Path
 from vllm_dp_plugin.aggregate.facts import FactSheet
 from vllm_dp_plugin.benchmarks.context.report import describe
 from vllm_dp_plugin.benchmarks.context.rows import ROWS, Request, Row, Server
-from vllm_dp_plugin.benchmarks.context.scoring import Answer, sheet_quality, summarize, unfit
+from vllm_dp_plugin.benchmarks.context.scoring import (
+    Answer,
+    sample,
+    score,
+    sheet_quality,
+    summarize,
+    unfit,
+)
 from vllm_dp_plugin.benchmarks.lib import vllm as vllm_lib
 from vllm_dp_plugin.benchmarks.lib.scenarios import (
     ANSWER_TOKENS,
     ChatLayout,
     cached_calibration,
-    is_correct,
 )
+from vllm_dp_plugin.serving.aggregate import RECEIPT_FIELD
 from vllm_dp_plugin.serving.memory import kv_shape
 
 
@@ -131,11 +138,17 @@ class RunningServer(vllm_lib.RunningServer):
 
 def ask_all(bench: Bench, server: RunningServer, row: Row, scenarios: Sequence[dict], label: str,
             progress=None, unserved: bool = False, sheets: dict | None = None) -> tuple[list[Answer], float]:
-    """Every question of ``scenarios``, ``bench.concurrency`` in flight; (answers, wall s).
+    """Every question of ``scenarios``, ``bench.concurrency`` in flight; (answers, wall s), each
+    scored (``scoring.score``) with its response's DP receipt (``dp_receipt``), if any.
     ``unserved``: the server serves no context (every one out of regime), so it sees the
     request's own tokens only; ``sheets``: scenario id -> its released fact sheet's text."""
     layout = bench.layout()
-    jobs = [(s, q, row.request(layout, s, q, *([sheets.get(s["id"])] if row.sheets else [])))
+
+    def sheet_text(s, q):
+        sheet = (sheets or {}).get(s["id"])
+        return None if sheet is None else sheet.about(q["q"]).system_text()
+
+    jobs = [(s, q, row.request(layout, s, q, *([(sheets or {}).get(s["id"])] if row.sheets else [])))
             for s in scenarios for q in s["questions"]]
 
     def one(job) -> Answer:
@@ -149,7 +162,10 @@ def ask_all(bench: Bench, server: RunningServer, row: Row, scenarios: Sequence[d
         text = out["choices"][0]["text"]
         if progress is not None:
             progress.update(1)
-        return Answer(s["id"], q["kind"], q["support"], is_correct(text, q["answers"]), text, got)
+        sources = list(s["documents"]) if row.plain_documents else []
+        if row.sheets and (shown := sheet_text(s, q)):
+            sources.append(shown)
+        return score(s, q, text, got, out.get(RECEIPT_FIELD), sources)
 
     start = time.perf_counter()
     with ThreadPoolExecutor(bench.concurrency) as pool:
@@ -184,14 +200,13 @@ def _serve(up: contextlib.ExitStack, running: RunningServer | None, spec: Server
 
 def run(bench: Bench, rows: Sequence[str], eps: Sequence[float], log=None,
         after_row=None) -> tuple[list[dict], list[dict], list[dict]]:
-    """Measure every (row, eps); returns (result rows, budget statements, sample answers of the
-    first two scenarios), also handed to ``after_row`` after each row."""
+    """Measure every (row, eps); returns (result rows, budget statements, every answer as
+    ``scoring.sample`` keeps it), also handed to ``after_row`` after each row."""
     from tqdm import tqdm
 
     log = log or tqdm.write
     jobs = jobs_of(rows, eps)
     n_questions = sum(len(s["questions"]) for s in bench.scenarios)
-    first = {s["id"] for s in bench.scenarios[:2]}
     results, budgets, samples = [], [], []
     server: RunningServer | None = None
     with contextlib.ExitStack() as up, tqdm(total=len(jobs), desc="rows", unit="row", position=0) as bar:
@@ -222,9 +237,7 @@ def run(bench: Bench, rows: Sequence[str], eps: Sequence[float], log=None,
             if row.sheets:
                 result["sheet"] = sheet_quality(bench.scenarios, contexts)
             results.append(result)
-            samples += [{"row": name, "eps": e, "scenario": a.scenario, "kind": a.kind,
-                         "support": a.support, "correct": a.correct, "text": a.text}
-                        for a in answers if a.scenario in first]
+            samples += [sample(name, e, a) for a in answers]
             log(f"vllm-dp bench context: {describe(result)}")
             if after_row is not None:  # the report so far: a stopped run keeps its rows
                 after_row(results, budgets, samples)

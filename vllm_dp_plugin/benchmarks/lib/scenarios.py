@@ -15,20 +15,28 @@ from pathlib import Path
 
 DEFAULT_MODEL = ".models/smollm2-135m-instruct"
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"  # built with vllm_dp_plugin.models.import_model when missing
-DEFAULT_SCENARIOS = Path(__file__).resolve().parent.parent / "data" / "context-scenarios.jsonl"
+DEFAULT_SCENARIOS = Path(__file__).resolve().parent.parent / "data" / "context-scenarios.jsonl"  # realistic, seed 0
+# the set bundled before issue 48 (style "simple", seed 0): earlier results were measured on it
+SIMPLE_SCENARIOS = DEFAULT_SCENARIOS.with_name("context-scenarios-simple.jsonl")
 DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "vllm-dp" / "bench-context"
 ANSWER_TOKENS = 32
 KINDS = ("shared", "secret", "public")
 
 
+def phrase_in(phrase: str, text: str) -> bool:
+    """``phrase`` occurs in ``text`` (case-insensitive) as a whole phrase, not inside a longer word
+    or number: "Room 12" is not in "Room 120", "2 years" not in "12 years", "Orsk" is in "Orsk's"."""
+    return re.search(rf"(?<![^\W_]){re.escape(phrase.lower())}(?![^\W_])", text.lower()) is not None
+
+
 def check_scenario(s: dict) -> None:
     """Raise ``ValueError`` unless ``s`` has the scenario schema and its facts are where they
     claim: a shared fact's first answer in exactly ``support`` documents (and no answer of it in
-    any other), a secret in exactly one."""
+    any other), a secret in exactly one (answers found as phrases, ``phrase_in``)."""
     where = f"scenario {s.get('id')!r}"
     if not isinstance(s.get("id"), str) or not s["id"] or not isinstance(s.get("documents"), list):
         raise ValueError(f"{where}: needs a non-empty string 'id' and a list 'documents'")
-    docs = [d.lower() for d in s["documents"]]
+    docs = s["documents"]
     for q in s.get("questions") or []:
         if set(q) != {"q", "answers", "kind", "support"} or q["kind"] not in KINDS or not q["answers"]:
             raise ValueError(f"{where}: bad question {q!r}")
@@ -36,8 +44,8 @@ def check_scenario(s: dict) -> None:
             continue
         if q["kind"] == "secret" and q["support"] != 1:
             raise ValueError(f"{where}: a secret has support 1, got {q['support']}")
-        stating = sum(q["answers"][0].lower() in d for d in docs)
-        mention = sum(any(a.lower() in d for a in q["answers"]) for d in docs)
+        stating = sum(phrase_in(q["answers"][0], d) for d in docs)
+        mention = sum(any(phrase_in(a, d) for a in q["answers"]) for d in docs)
         if stating != q["support"] or mention != q["support"]:
             raise ValueError(f"{where}: {q['q']!r} is stated by {stating} documents (mentioned by "
                              f"{mention}), support says {q['support']}")
@@ -56,13 +64,12 @@ def load_scenarios(path: str | Path) -> list[dict]:
 
 
 def is_correct(text: str, answers: Sequence[str], tokenizer=None, max_tokens: int = ANSWER_TOKENS) -> bool:
-    """Any of ``answers`` occurs (case-insensitive) in ``text``, cut to its first ``max_tokens``
-    tokens when a ``tokenizer`` is given (the benchmark asks for ``max_tokens`` tokens, so its
-    completions need no cut)."""
+    """Any of ``answers`` occurs (case-insensitive, as a whole phrase: ``phrase_in``) in ``text``,
+    cut to its first ``max_tokens`` tokens when a ``tokenizer`` is given (the benchmark asks for
+    ``max_tokens`` tokens, so its completions need no cut)."""
     if tokenizer is not None:
         text = tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)[:max_tokens])
-    low = text.lower()
-    return any(a.lower() in low for a in answers)
+    return any(phrase_in(a, text) for a in answers)
 
 
 class ChatLayout:
