@@ -38,6 +38,7 @@ from .prompt.paraphrase import (
 ANSWER_INSTRUCTION = ("Answer the user's question with a short phrase copied from the document above. If the "
                       "document does not answer it, answer NONE.")
 ON_EMPTY = ("public", "refuse")
+ANSWER_VOCABULARIES = ("document", "any")  # what a member of mechanism answer may decode
 CONFIG_KEY = "dp_privacy"
 
 
@@ -303,7 +304,9 @@ class AggregatePrivacyConfig:
     members, for large collections: a public number, so the layout never depends on how many
     documents there are; ``members``, the gate and the token-level keys do not apply). Each member
     answers the question from its document under the public
-    ``answer_instruction`` (greedy, at most ``answer_tokens`` tokens, its first line) and votes for
+    ``answer_instruction`` (greedy, ``answer_tokens`` tokens, its first line; ``answer_vocabulary``
+    ``document``: decoding restricted to the tokens of the member's own documents, so it copies
+    rather than composes; ``any``: unrestricted) and votes for
     one key (``aggregate.answer``: the words of its answer that its own document holds); one DP
     partition selection per query (``privacy.partition_selection``, OpenDP's exact Laplace
     threshold at the query's (epsilon, delta)) releases the keys enough members agree on, and the
@@ -343,6 +346,7 @@ class AggregatePrivacyConfig:
     answer_instruction: str = ANSWER_INSTRUCTION
     on_empty: str = "public"
     answer_members: int | None = None
+    answer_vocabulary: str = "any"
     allow_batch_variance: bool = False
     operator_key_sha256: str | None = None
 
@@ -351,6 +355,7 @@ class AggregatePrivacyConfig:
         if not isinstance(self.allow_batch_variance, bool):
             raise ConfigError(f"aggregate.allow_batch_variance must be true or false, got {self.allow_batch_variance!r}")
         _choice(self.on_empty, ON_EMPTY, "aggregate.on_empty")
+        _choice(self.answer_vocabulary, ANSWER_VOCABULARIES, "aggregate.answer_vocabulary")
         _check(check_count, self.answer_tokens, "aggregate.answer_tokens")
         if self.answer_members is not None:
             _check(check_count, self.answer_members, "aggregate.answer_members")

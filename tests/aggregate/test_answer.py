@@ -65,3 +65,40 @@ def test_a_date_keeps_one_number_beside_its_month_however_the_range_is_written()
     question = "When is the Harlow depot closed for inventory?"
     for answer in ("From Quintember 14 to 16.", "Quintember 14-16", "on Quintember 14th to 16th, 2023"):
         assert answer_key(answer, doc, question, [INSTRUCTION]) == "quintember 14"
+
+
+SITES = ["Site memo: the Westgate quarterly review is held in Room 12 at 8 am. The Eastgate quarterly review is "
+         "held in Room 22.",
+         "Refunds: any refund above $500 must be approved by the regional manager.",
+         "Visitors: at Westgate, visitors sign in at the west entrance."]
+
+
+def site_key(answer: str, question: str) -> str | None:
+    return answer_key(answer, SITES, question, [INSTRUCTION])
+
+
+def test_the_phrase_keeps_the_common_words_that_belong_to_the_answer():
+    """"Room 12" not "12", "8 am" not "8", "regional manager" not "regional": the phrase grows
+    over content words, a label before a number and a unit after one, as long as the documents
+    say it that way (a run of one relevant sentence)."""
+    room = "In which room is the Westgate quarterly review held?"
+    assert site_key("Room 12", room) == "room 12"
+    assert site_key("It is held in Room 12.", room) == "room 12"
+    assert site_key("At 8 am", "At what time does the Westgate quarterly review start?") == "8 am"
+    assert site_key("The regional manager.", "Who must approve a refund above $500?") == "regional manager"
+    assert site_key("the west entrance", "Where do visitors sign in at Westgate?") == "west entrance"
+    assert site_key("Manager regional", "Who must approve a refund above $500?") == "regional"  # not a run of the document
+
+
+def test_the_same_property_of_another_subject_does_not_vote():
+    """The sentence must name the question's subject: Eastgate's room is not Westgate's."""
+    room = "In which room is the Eastgate quarterly review held?"
+    assert site_key("Room 22", room) == "room 22"
+    assert site_key("Room 22", "In which room is the Westgate quarterly review held?") is None
+    assert site_key("Room 12", room) is None  # Westgate's, from the same sentence? no: its own sentence names Westgate
+
+
+def test_hedges_and_the_questions_own_nouns_stay_out_of_the_phrase():
+    staff = "How many employees does Pekrok Logistics have?"
+    assert key("Exactly 2718 employees", "notes", staff) == "2718"
+    assert key("The Skeltmind River", "memo") == "skeltmind"  # "river" is the question's word

@@ -14,7 +14,8 @@ pytest.importorskip("wordfreq")
 
 from tests.serving.fake_engine import FakeEngine
 from tests.serving.test_aggregate_leaks import MAX_MODEL_LEN, queries, service, tokenizer  # noqa: F401
-from vllm_dp_plugin.serving.aggregate import FACT, NOT_ANSWERED, REPLY, fact_prompt
+from vllm_dp_plugin.aggregate.reply import FROM_DOCUMENTS, GENERAL_KNOWLEDGE, NOT_FROM_DOCUMENTS
+from vllm_dp_plugin.serving.aggregate import cut
 
 INVENTORY = "When is the Harlow depot closed for inventory?"
 ALARM = "What is the alarm code of the Harlow depot?"
@@ -27,12 +28,12 @@ DOCS = ([(f"d{i}", f"Memo {i}: the Harlow depot closes for inventory on 14 Quint
 
 def member_writer(tok):
     """A member copies the date or the code when its document holds it, else says NONE; the
-    public answer goes on from the reply's start (" Noted.") or says it does not know."""
+    public answer says it does not know."""
 
     def write(ids: list[int]) -> str:
         text = tok.decode(ids)
         if "Document:" not in text:  # the public answer
-            return " Noted." if "From the documents" in text else "I don't know"
+            return "I don't know"
         document = text.split("Document:")[1].split("\n")[0]
         if "inventory" in text.split("Document:")[1].split("user")[-1] and "Quintember" in document:
             return "14 Quintember"
@@ -66,13 +67,11 @@ def test_one_member_per_document_one_batch_and_the_shared_fact_released(tmp_path
     assert len(svc.collections["c"].member_prefixes) == len(DOCS)  # not aggregate.members=4
     status, body = ask(svc, INVENTORY)
     assert status == 200
-    members, public = engine.calls[:-1], engine.calls[-1]
+    members = engine.calls
     assert len(members) == len(DOCS) and {c["cache_salt"] for c in members} == {svc.source.member_salt}
-    assert public["cache_salt"] != svc.source.member_salt
-    prompt = tokenizer.decode(public["ids"])
-    assert FACT.format(fact="14 quintember") in prompt and prompt.endswith(REPLY.format(fact="14 quintember"))
-    receipt = body["dp_receipt"]
-    assert body["choices"][0]["message"]["content"] == "From the documents: 14 quintember. Noted."
+    receipt = body["dp_receipt"]  # the reply states the released fact and stops: no public continuation
+    assert body["choices"][0]["message"]["content"] == FROM_DOCUMENTS.format(fact="14 quintember")
+    assert body["choices"][0]["finish_reason"] == "stop"
     assert receipt["mechanism"] == "answer" and receipt["released"] and receipt["fact"] == "14 quintember"
     assert receipt["noisy_count"] >= 5  # the threshold at eps 4, delta 1e-6
     assert receipt["epsilon"] == svc.cfg.epsilon and 0 < receipt["delta"] <= svc.cfg.delta
@@ -89,11 +88,12 @@ def test_every_member_decodes_exactly_answer_tokens_and_is_cut_afterwards(tmp_pa
     svc, engine = answer_service(tmp_path, tokenizer)
     status, body = ask(svc, INVENTORY)
     assert status == 200 and body["dp_receipt"]["fact"] == "14 quintember"
-    members = engine.calls[:-1]
+    members = engine.calls
     for call in members:
         params = call["params"]
         assert params.max_tokens == svc.cfg.answer_tokens and params.ignore_eos and not params.stop
         assert not params.stop_token_ids and params.min_tokens == 0  # EOS is generated, not masked
+    assert all(call["params"].allowed_token_ids is None for call in members)  # answer_vocabulary: any
     eos, enc = tokenizer.eos_token_id, functools.partial(tokenizer.encode, add_special_tokens=False)
     stops = (eos,)
     assert member_text(tokenizer, [*enc("14 Quintember"), eos, *enc("more words")], stops) == "14 Quintember"
@@ -101,30 +101,53 @@ def test_every_member_decodes_exactly_answer_tokens_and_is_cut_afterwards(tmp_pa
     assert member_text(tokenizer, [*enc("\n"), *enc("14 Quintember")], stops) == ""  # as a stop at "\n" did
 
 
-def test_a_secret_one_document_states_is_not_released(tmp_path, tokenizer):  # noqa: F811
-    """Count 1 against threshold 5 (eps 4, delta 1e-6): released with probability delta; 20 queries."""
+def test_answer_vocabulary_document_restricts_each_member_to_its_own_documents_tokens(tmp_path, tokenizer):  # noqa: F811
+    svc, engine = answer_service(tmp_path, tokenizer, answer_vocabulary="document")
+    assert ask(svc, INVENTORY)[0] == 200
+    vocabularies = svc.collections["c"].member_vocabularies
+    for call, vocab, (_, text) in zip(engine.calls, vocabularies, DOCS, strict=True):
+        assert call["params"].allowed_token_ids == sorted(vocab)
+        assert set(tokenizer.encode(text, add_special_tokens=False)) | {tokenizer.eos_token_id} <= vocab
+        assert set(tokenizer.encode("NONE", add_special_tokens=False)) <= vocab
+    secret = set(tokenizer.encode(" 739182", add_special_tokens=False))
+    assert not secret <= vocabularies[0] and secret <= vocabularies[DOCS.index(DOCS[-2])]  # its own document's
+
+
+def test_a_secret_one_document_states_is_not_released_and_the_fallback_says_so(tmp_path, tokenizer):  # noqa: F811
+    """Count 1 against threshold 5 (eps 4, delta 1e-6): released with probability delta; 20
+    queries. The reply first says the documents gave no answer it can share, then marks the
+    public model's answer (the conversation alone) as general knowledge, streamed alike."""
     svc, engine = answer_service(tmp_path, tokenizer)
     for _ in range(20):
         status, body = ask(svc, ALARM)
         assert status == 200 and not body["dp_receipt"]["released"] and body["dp_receipt"]["fact"] is None
-        assert "739182" not in tokenizer.decode(engine.calls[-1]["ids"])
-        assert body["choices"][0]["message"]["content"] == "I don't know"  # the public answer
+        assert "739182" not in tokenizer.decode(engine.calls[-1]["ids"]) and "Document" not in tokenizer.decode(
+            engine.calls[-1]["ids"])  # the public answer sees the conversation alone
+        assert body["choices"][0]["message"]["content"] == f"{NOT_FROM_DOCUMENTS} {GENERAL_KNOWLEDGE} I don't know"
     assert queries(svc) == 20
+
+    async def streamed():
+        body = {"messages": [{"role": "user", "content": ALARM}], "stream": True}
+        reply = await svc.handle("/v1/chat/completions", body)
+        return [chunk async for chunk in reply.body_iterator]
+
+    events = [json.loads(e.removeprefix("data: ")) for e in asyncio.run(streamed()) if e.startswith("data: {")]
+    text = "".join(e["choices"][0]["delta"].get("content", "") for e in events)
+    assert text == f"{NOT_FROM_DOCUMENTS} {GENERAL_KNOWLEDGE} I don't know"
 
 
 def test_on_empty_refuse_says_the_documents_do_not_answer_and_still_charges(tmp_path, tokenizer):  # noqa: F811
     svc, engine = answer_service(tmp_path, tokenizer, on_empty="refuse")
     status, body = ask(svc, ALARM)
-    assert status == 200 and body["choices"][0]["message"]["content"] == NOT_ANSWERED
+    assert status == 200 and body["choices"][0]["message"]["content"] == NOT_FROM_DOCUMENTS
     assert len(engine.calls) == len(DOCS)  # no public answer
     assert body["dp_receipt"]["epsilon"] == svc.cfg.epsilon and queries(svc) == 1
 
 
-def test_a_long_released_fact_is_cut_to_answer_tokens(tmp_path, tokenizer):  # noqa: F811
+def test_a_long_released_fact_is_cut_to_answer_tokens(tokenizer):  # noqa: F811
     long = " ".join(["quintember"] * 40)
-    system, reply = fact_prompt(tokenizer, long, 8)
-    assert len(system) <= len(fact_prompt(tokenizer, "", 0)[0]) + 8 + 2 and reply.count("quintember") <= 8
-    assert fact_prompt(tokenizer, "14 quintember", 8) == fact_prompt(tokenizer, "14 quintember", 64)
+    assert cut(tokenizer, long, 8).count("quintember") <= 8
+    assert cut(tokenizer, "14 quintember", 8) == "14 quintember"
 
 
 def test_a_completion_prompt_rendered_from_a_chat_asks_its_last_user_message(tmp_path, tokenizer):  # noqa: F811

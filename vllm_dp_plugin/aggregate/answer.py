@@ -8,24 +8,29 @@ instruction), so it adds no sensitivity beyond the member's own documents:
 1. the answer's first line, NFKC-normalised and case-folded, split into words (letters and
    digits);
 2. words of the question and of the instruction dropped, with their forms sharing a 4-letter
-   prefix (the member restating the question is no evidence: "employs" restates "employees"),
-   and very common words (``STOP_ZIPF``: public word frequencies, ``wordfreq``);
+   prefix (the member restating the question is no evidence: "employs" restates "employees";
+   the question's names only as written: "west" does not restate "Westgate"), and very common
+   words (``STOP_ZIPF``: public word frequencies, ``wordfreq``);
 3. the **span check**: only words that occur in the member's own documents are kept (a member
    whose documents do not state the fact abstains instead of voting for what the model made up);
    a word one letter or so off a word of the documents (``SPELLING``) is read as that word;
 4. the **relevance check**: a word counts only where a sentence of the member's documents holds
    it together with a word of what the question asks about (its lower-case, not very common
-   words: "mascot", "employees"; names, capitalised in the question, are the subject, not the
-   property; words match on a 4-letter prefix, so "employs" answers "employees"): a member that
-   answers with another fact of its documents abstains;
-5. the key is the answer's rarest such word (lowest public frequency; ties: longer, then
-   alphabetical) with the rare such words next to it (``RUN_ZIPF``) and at most one number on
-   each side: "drakbre skomthu", "griquol", "2718" (not "exactly 2718"), "14 quintember",
-   "september 14" (of "September 14 to 16", "September 14-16" and "September 14th"; ordinal
-   suffixes are dropped).
-   Members whose documents paraphrase one fact ("the Skeltmind River runs beside...", "...next
-   to the Skeltmind River") answer in different words but share that run. None when no word is
-   left: the member abstains.
+   words: "mascot", "employees"; words match on a 4-letter prefix, so "employs" answers
+   "employees") and, when the question names its subject (its capitalised words after the first:
+   "Westgate", "Seattle"), one of those names: a member that answers with another fact of its
+   documents, or with the same property of another site, abstains;
+5. the key is the **answer phrase** around the answer's rarest such word (lowest public
+   frequency; ties: longer, then alphabetical): its neighbours in the answer join while the
+   phrase stays a run of words of one relevant sentence of the documents (at most
+   ``MAX_PHRASE`` words) and each is a voting word ("regional manager", "drakbre skomthu",
+   "west entrance"), a number, a unit after a number ("8 am"), or a capitalised word of the
+   question just before a number ("Room 12": a label, where "employs 2,718" is not); hedges ("exactly 2718") and words the question states
+   elsewhere ("the Skeltmind River" for "which river") stay out, and so do very common words
+   ("the"). Ordinal suffixes and thousands separators are dropped: "september 14" (of
+   "September 14 to 16", "September 14-16" and "September 14th"), "2718".
+   Members whose documents paraphrase one fact answer in different words but share that phrase.
+   None when no word is left: the member abstains.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import functools
 import re
 import unicodedata
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
 WORD = re.compile(r"[^\W_]+")
 STOP_ZIPF = 5.5  # words at least this frequent (Zipf scale: the, of, is, am, ...) never decide a vote
@@ -74,20 +80,59 @@ def _related(sentence: set[str], asked: Sequence[str]) -> bool:
     return any(a == b or (min(len(a), len(b)) >= PREFIX and a[:PREFIX] == b[:PREFIX]) for a in sentence for b in asked)
 
 
-def candidate_words(answer: str, documents: Sequence[str], question: str, public: Iterable[str] = ()) -> list[str]:
-    """The words of the answer's first line that may vote, in the answer's order (None for a
-    word that may not: it breaks runs). A word may vote when it does not restate the question or
-    the ``public`` texts (the instruction), is not very common, and is held by a sentence of the
-    member's ``documents`` that also holds a word the question asks about."""
+HEDGES = frozenset(("exactly", "approximately", "about", "around", "nearly", "almost", "roughly", "some", "only",
+                    "just", "over", "under", "least", "most", "more", "less", "than", "up"))  # never in a phrase
+UNITS = frozenset(("am", "pm", "percent"))  # join the number before them, however common
+MAX_PHRASE = 4  # words of a released answer phrase
+
+
+def subject_words(question: str) -> list[str]:
+    """Whom the question is about: its capitalised words after the first that are not very
+    common ("Westgate", "Seattle"), case-folded."""
+    tokens = WORD.findall(unicodedata.normalize("NFKC", question))
+    return [t.casefold() for t in tokens[1:] if t[:1].isupper() and zipf(t.casefold()) < STOP_ZIPF]
+
+
+@dataclass(frozen=True)
+class Reading:
+    """One member's answer read against its documents: ``spelled``, the first line's words as
+    the documents spell them; ``voting``, whether each may decide a vote; ``relevant``, the word
+    lists of the documents' sentences that hold what the question asks about (and its subject);
+    ``restated``, whether each word restates the question or the instruction."""
+
+    spelled: list[str]
+    voting: list[bool]
+    restated: list[bool]
+    capital: list[bool]
+    relevant: list[list[str]]
+
+
+def read(answer: str, documents: Sequence[str], question: str, public: Iterable[str] = ()) -> Reading:
+    """The answer's words and which of them may vote: not restating the question or the
+    ``public`` texts (the instruction), not very common, and held by a sentence of the member's
+    ``documents`` that also holds a word the question asks about and, when it names one, its
+    subject."""
     lines = answer.strip().splitlines()
     first = ORDINAL.sub("", THOUSANDS.sub("", lines[0])) if lines else ""
-    asked = property_words(question)
-    restated = [w for text in (question, *public) for w in words(text)] + list(NONE_WORDS)
-    sentences = [set(words(THOUSANDS.sub("", s))) for d in documents for s in SENTENCE.split(d)]
-    relevant = set().union(*(s for s in sentences if _related(s, asked))) if sentences else set()
+    asked, subject = property_words(question), set(subject_words(question))
+    names = set(subject)  # restated only as written: "west" does not restate "Westgate"
+    restating = [w for text in (question, *public) for w in words(text) if w not in names] + list(NONE_WORDS)
+    sentences = [words(ORDINAL.sub("", THOUSANDS.sub("", s))) for d in documents for s in SENTENCE.split(d)]
+    relevant = [s for s in sentences if _related(set(s), asked) and (not subject or subject & set(s))]
+    within = set().union(*relevant) if relevant else set()
     own = set().union(*sentences) if sentences else set()
-    spelled = [_spelled(w, own) for w in words(first)]
-    return [w if w in relevant and zipf(w) < STOP_ZIPF and not _related({w}, restated) else None for w in spelled]
+    raw = WORD.findall(unicodedata.normalize("NFKC", first))
+    spelled = [_spelled(t.casefold(), own) for t in raw]
+    restated = [w in names or _related({w}, restating) for w in spelled]
+    voting = [w in within and zipf(w) < STOP_ZIPF and not r for w, r in zip(spelled, restated, strict=True)]
+    return Reading(spelled, voting, restated, [t[:1].isupper() for t in raw], relevant)
+
+
+def candidate_words(answer: str, documents: Sequence[str], question: str, public: Iterable[str] = ()) -> list[str]:
+    """The words of the answer's first line that may vote, in the answer's order (None for a
+    word that may not: it breaks runs); see ``read``."""
+    r = read(answer, documents, question, public)
+    return [w if v else None for w, v in zip(r.spelled, r.voting, strict=True)]
 
 
 def _spelled(word: str, own: set[str]) -> str:
@@ -100,14 +145,47 @@ def _spelled(word: str, own: set[str]) -> str:
 
 
 def answer_key(answer: str, documents: Sequence[str], question: str, public: Iterable[str] = ()) -> str | None:
-    """The member's vote: its rarest voting word with the rare voting words next to it, or None."""
-    found = candidate_words(answer, documents, question, public)
-    voting = [(zipf(w), -len(w), w, i) for i, w in enumerate(found) if w is not None]
-    if not voting:
+    """The member's vote: the answer phrase around its rarest voting word (module docstring,
+    step 5), or None."""
+    r = read(answer, documents, question, public)
+    ranked = [(zipf(w), -len(w), w, i) for i, (w, v) in enumerate(zip(r.spelled, r.voting, strict=True)) if v]
+    if not ranked:
         return None
-    *_, at = min(voting)
-    start, end = run_at(found, at)
-    return " ".join(dict.fromkeys(found[start:end]))
+    *_, at = min(ranked)
+    start, end = phrase_at(r, at)
+    return " ".join(r.spelled[start:end])
+
+
+def phrase_at(r: Reading, at: int) -> tuple[int, int]:
+    """``[start, end)`` of the answer phrase around ``r.spelled[at]``: grown one neighbour at a
+    time (right first) while the neighbour may join and the phrase is a run of words of one
+    relevant sentence, up to ``MAX_PHRASE`` words."""
+    words_ = r.spelled
+
+    def joins(i: int, start: int, end: int) -> bool:
+        if not 0 <= i < len(words_) or words_[i] in HEDGES:
+            return False
+        word, before = words_[i], i < start
+        number_next = before and words_[start].isdigit()
+        after_number = not before and words_[end - 1].isdigit()
+        return (r.voting[i] or word.isdigit() or (after_number and word in UNITS)
+                or (number_next and r.restated[i] and r.capital[i] and zipf(word) < STOP_ZIPF))
+
+    start, end = at, at + 1
+    while end - start < MAX_PHRASE:
+        if joins(end, start, end) and _in_sentence(words_[start:end + 1], r.relevant):
+            end += 1
+        elif joins(start - 1, start, end) and _in_sentence(words_[start - 1:end], r.relevant):
+            start -= 1
+        else:
+            break
+    return start, end
+
+
+def _in_sentence(phrase: list[str], sentences: list[list[str]]) -> bool:
+    """Whether ``phrase`` occurs as consecutive words of one of ``sentences``."""
+    n = len(phrase)
+    return any(s[i:i + n] == phrase for s in sentences for i in range(len(s) - n + 1))
 
 
 def run_at(found: Sequence[str | None], at: int, joins: Callable[[int, int], bool] | None = None) -> tuple[int, int]:

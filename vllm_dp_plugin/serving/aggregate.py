@@ -33,10 +33,12 @@ import functools
 import json
 import logging
 import os
+import re
 import threading
 import time
 import uuid
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,6 +47,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ..aggregate.answer import answer_key
 from ..aggregate.decode import Aggregator, TopLogprobs, generate
 from ..aggregate.documents import load_collection, member_texts
+from ..aggregate.reply import FROM_DOCUMENTS, GENERAL_KNOWLEDGE, NOT_FROM_DOCUMENTS
 from ..config import AggregateClient, AggregatePrivacyConfig, ConfigError
 from ..plan import aggregation_params
 from ..privacy.accountant import Budget
@@ -63,12 +66,8 @@ ROUTES = ("/v1/completions", "/v1/chat/completions")
 QUERY_FAILED = "the DP aggregation query failed; its reserved budget is spent"
 LEDGER_DOWN = ("the budget ledger cannot be written (see the server's log): nothing is answered until it can; "
                "a query already reserved counts in full")
-# mechanism answer: a member's system turn, the released fact's, and the answer when nothing is
-# released under on_empty: refuse (all public text)
+# mechanism answer: a member's system turn (public text around its documents)
 ANSWER_SYSTEM = "Document: {documents}\n\n{instruction}"
-FACT = "The documents answer the user's question with: {fact}"  # the public answer's system turn
-REPLY = "From the documents: {fact}."  # the start of the reply; the model goes on from it
-NOT_ANSWERED = "The documents do not answer this question."
 OPTION_EPSILON = "dp_epsilon"
 OPTIONS = ("dp_context", OPTION_EPSILON)
 RECEIPT_HEADER = "x-dp-receipt"
@@ -96,15 +95,31 @@ class ServedCollection:
     name: str
     member_prefixes: tuple[tuple[int, ...], ...]  # SECRET: private documents
     member_documents: tuple[tuple[str, ...], ...] = ()  # SECRET
+    # mechanism answer with answer_vocabulary document: the tokens each member may decode (None: any)
+    member_vocabularies: tuple[frozenset[int] | None, ...] = ()  # SECRET
 
 
-def fact_prompt(tokenizer, fact: str, limit: int) -> tuple[list[int], str]:
-    """The system turn that hands the released ``fact`` to the model and the start of the reply
-    (``mechanism: answer``), the fact cut to its first ``limit`` tokens (``answer_tokens``: the
-    public bound the start-up check and ``_check_room`` count with)."""
+def cut(tokenizer, fact: str, limit: int) -> str:
+    """The released ``fact`` cut to its first ``limit`` tokens (``answer_tokens``: the public
+    bound on what a reply states)."""
     ids = tokenizer.encode(fact, add_special_tokens=False)
-    fact = tokenizer.decode(ids[:limit]) if len(ids) > limit else fact
-    return chat_prefix_ids(tokenizer, FACT.format(fact=fact)), REPLY.format(fact=fact)
+    return tokenizer.decode(ids[:limit]) if len(ids) > limit else fact
+
+
+def document_vocabulary(tokenizer, documents: Sequence[str], stop_ids: tuple[int, ...]) -> frozenset[int]:
+    """The token ids a member may decode (``aggregate.answer_vocabulary: document``): those of
+    its documents' text, of each of their words alone (with and without a leading space,
+    capitalised or not: how an answer starts), of the abstention NONE, a line break and the end
+    tokens. A function of the member's own documents and the public tokenizer."""
+    encode = functools.partial(tokenizer.encode, add_special_tokens=False)
+    ids = {*stop_ids, *encode("\n"), *encode("NONE"), *encode(" NONE")}
+    for text in documents:
+        ids.update(encode(text))
+        for word in set(re.findall(r"\S+", text)):
+            for form in {word, word.lower(), word[:1].upper() + word[1:]}:
+                ids.update(encode(form))
+                ids.update(encode(" " + form))
+    return frozenset(ids)
 
 
 def member_text(tokenizer, ids: list[int], stop_ids: tuple[int, ...]) -> str:
@@ -112,13 +127,6 @@ def member_text(tokenizer, ids: list[int], stop_ids: tuple[int, ...]) -> str:
     up to the first line break (what a request stopping at EOS and at "\n" returned)."""
     cut = next((i for i, t in enumerate(ids) if t in stop_ids), len(ids))
     return tokenizer.decode(ids[:cut], skip_special_tokens=True).split("\n", 1)[0]
-
-
-def fact_room(tokenizer, answer_tokens: int) -> int:
-    """Tokens the released fact's system turn and reply start may take (the fact twice, each at
-    most ``answer_tokens`` tokens): within the member bound, so ``_check_room`` covers them."""
-    system, reply = fact_prompt(tokenizer, "", 0)
-    return len(system) + len(tokenizer.encode(reply, add_special_tokens=False)) + 2 * answer_tokens
 
 
 def check_batch_invariance(cfg: AggregatePrivacyConfig) -> None:
@@ -156,10 +164,11 @@ def chat_prefix_ids(tokenizer, system: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def load_collections(cfg: AggregatePrivacyConfig, tokenizer, key: NoiseKey,
-                     bound: int | None = None) -> tuple[ServedCollection, ...]:
+def load_collections(cfg: AggregatePrivacyConfig, tokenizer, key: NoiseKey, bound: int | None = None,
+                     stop_ids: tuple[int, ...] = ()) -> tuple[ServedCollection, ...]:
     """Every configured collection loaded, checked and partitioned (ConfigError naming the key;
-    ``bound``: the public bound on a member's system turn, see ``member_bound``)."""
+    ``bound``: the public bound on a member's system turn, see ``member_bound``; ``stop_ids``:
+    the model's end tokens, which a member's restricted vocabulary keeps)."""
 
     def count(text: str) -> int:
         return len(tokenizer.encode(text, add_special_tokens=False))
@@ -183,7 +192,11 @@ def load_collections(cfg: AggregatePrivacyConfig, tokenizer, key: NoiseKey,
         if bound is not None and any(len(p) > bound for p in prefixes):  # the operator's start-up error
             raise ConfigError(f"aggregate.contexts.{name}: a member's documents exceed aggregate.max_member_tokens="
                               f"{bound} tokens; raise the bound (or max_model_len) or add members")
-        out.append(ServedCollection(name, prefixes, tuple(tuple(d.text for d in part) for part in parts)))
+        documents = tuple(tuple(d.text for d in part) for part in parts)
+        restricted = cfg.mechanism == ANSWER and cfg.answer_vocabulary == "document"
+        vocabularies = tuple(document_vocabulary(tokenizer, docs, stop_ids) if restricted and docs else None
+                             for docs in documents)
+        out.append(ServedCollection(name, prefixes, documents, vocabularies))
     return tuple(out)
 
 
@@ -249,10 +262,12 @@ class EngineSource:
         would otherwise time a matching document)."""
         from vllm import SamplingParams
 
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
+        vocabularies = collection.member_vocabularies or (None,) * len(prompts)
+        params = [SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False,
+                                 allowed_token_ids=None if vocab is None else sorted(vocab)) for vocab in vocabularies]
         batch, salts = uuid.uuid4().hex, self.salts(collection, os.urandom(16).hex())
-        outputs = await asyncio.gather(*(self._output(ids, salt, params, f"dpans-{batch}-{i}")
-                                         for i, (ids, salt) in enumerate(zip(prompts, salts, strict=True))))
+        outputs = await asyncio.gather(*(self._output(ids, salt, p, f"dpans-{batch}-{i}")
+                                         for i, (ids, salt, p) in enumerate(zip(prompts, salts, params, strict=True))))
         return [list(o.token_ids) for o in outputs]
 
     async def public_answer(self, prompt: list[int], max_tokens: int, sampling: dict):
@@ -327,10 +342,8 @@ class AggregateService:
         self.cfg, self.engine, self.tokenizer, self.model_name = cfg, engine_client, tokenizer, model_name
         self.max_model_len = max_model_len
         self.member_bound = member_bound(cfg, max_model_len)
-        if cfg.mechanism == ANSWER and fact_room(tokenizer, cfg.answer_tokens) > self.member_bound:
-            raise ConfigError(f"aggregate.max_member_tokens={self.member_bound} leaves no room for a released fact of "
-                              f"aggregate.answer_tokens={cfg.answer_tokens} tokens")
-        self.collections = {c.name: c for c in load_collections(cfg, tokenizer, key, self.member_bound)}
+        self.stop_ids = stop_ids
+        self.collections = {c.name: c for c in load_collections(cfg, tokenizer, key, self.member_bound, stop_ids)}
         # the deployment's store (dp_privacy.ledger); default: beside the key, earlier JSONL imported
         self.ledger = QueryLedger(key, store or open_ledger(None, key, cfg.budget_file),
                                   allow_foreign=cfg.allow_foreign_ledger)
@@ -342,7 +355,6 @@ class AggregateService:
             logger.warning("vllm-dp: the query ledger holds %d entries under another key (allowed by "
                            "aggregate.allow_foreign_ledger)", foreign)
         self.total = Budget(cfg.total_epsilon, cfg.total_delta)
-        self.stop_ids = stop_ids
         choices = -1 if cfg.choices is None else cfg.choices
         self.source = EngineSource(engine_client, choices, 1 if cfg.mechanism == "vote" else choices,
                                    key.mac("aggregate/cache-salt", "members").hex())
@@ -457,9 +469,8 @@ class AggregateService:
 
     def _check_room(self, public: list[int], suffix: list[int], max_tokens: int) -> None:
         """Refuse (400, public numbers only) a request that would not fit ``max_model_len``
-        after the longest member allowed (``member_bound``; under ``mechanism: answer`` the
-        released fact's system turn fits it too): no length error may come from a member's true
-        length."""
+        after the longest member allowed (``member_bound``): no length error may come from a
+        member's true length."""
         generated = max(max_tokens, self.cfg.answer_tokens if self.cfg.mechanism == ANSWER else 0)
         need = max(len(public), self.member_bound + len(suffix)) + generated
         if need > self.max_model_len:
@@ -534,7 +545,7 @@ class AggregateService:
             self._check_room(public, suffix, max_tokens)
             members = self._member_ids(collection, public, suffix)
             params = aggregation_params(self.cfg, eps)
-            answer = {"question": self._question(path, body, public), "suffix": suffix,
+            answer = {"question": self._question(path, body, public),
                       "sampling": _sampling(body)} if self.cfg.mechanism == ANSWER else None
             try:  # a ledger transaction waits for the disk or the database: off the event loop
                 reservation = await asyncio.to_thread(self.ledger.reserve, collection.name, self.total,
@@ -672,12 +683,14 @@ class _TokenQuery(_Query):
 
 class _AnswerQuery(_Query):
     """``answer``: every member answers (one batch), votes for its key (``aggregate.answer``);
-    one partition selection releases the agreed keys; the model answers the conversation with the
-    most agreed one as a fact (post-processing of the release), or without (``on_empty``)."""
+    one partition selection releases the agreed keys. The reply states the most agreed one as
+    coming from the documents and stops (it adds nothing the release does not carry); with
+    nothing released it says the documents gave no answer it can share, then (``on_empty:
+    public``) gives the public model's answer to the conversation, marked as general knowledge."""
 
-    def __init__(self, *args, question: str, suffix: list[int], sampling: dict):
+    def __init__(self, *args, question: str, sampling: dict):
         super().__init__(*args)
-        self.question, self.suffix, self.sampling = question, suffix, sampling
+        self.question, self.sampling = question, sampling
         self.fact: str | None = None
         self.count: int | None = None
 
@@ -690,21 +703,21 @@ class _AnswerQuery(_Query):
         released = self.params.release.release(votes)
         self.fact = max(released, key=lambda k: (released[k], k)) if released else None
         self.count = released.get(self.fact)  # its noisy count (part of the release)
-        if self.fact is None and cfg.on_empty == "refuse":
-            self.text, self.finish = NOT_ANSWERED, "stop"
+        if self.fact is not None:
+            self.text = FROM_DOCUMENTS.format(fact=cut(service.tokenizer, self.fact, cfg.answer_tokens))
+        elif cfg.on_empty == "refuse":
+            self.text = NOT_FROM_DOCUMENTS
+        if self.text:
+            self.tokens, self.finish = service.tokenizer.encode(self.text, add_special_tokens=False), "stop"
             yield self.text
             return
-        prompt, reply = self.public, []
-        if self.fact is not None:
-            system, self.text = fact_prompt(service.tokenizer, self.fact, cfg.answer_tokens)
-            reply = service.tokenizer.encode(self.text, add_special_tokens=False)
-            prompt = [*system, *self.suffix, *reply]
-            self.tokens = list(reply)
-            yield self.text
-        start = self.text
-        async for output in service.source.public_answer(prompt, self.max_tokens, self.sampling):
-            shown, self.text = self.text, start + output.text
-            self.tokens, self.finish = [*reply, *output.token_ids], output.finish_reason or self.finish
+        self.text = start = f"{NOT_FROM_DOCUMENTS} {GENERAL_KNOWLEDGE} "
+        marker = service.tokenizer.encode(start, add_special_tokens=False)
+        self.tokens = list(marker)
+        yield start
+        async for output in service.source.public_answer(self.public, self.max_tokens, self.sampling):
+            shown, self.text = self.text, start + output.text.lstrip()
+            self.tokens, self.finish = [*marker, *output.token_ids], output.finish_reason or self.finish
             yield self.text[len(shown):]
 
     def settlement(self) -> Budget:
