@@ -65,7 +65,7 @@ def main() -> None:
 
     from vllm_dp_plugin.aggregate.answer import answer_key
     from vllm_dp_plugin.config import ANSWER_INSTRUCTION
-    from vllm_dp_plugin.serving.aggregate import ANSWER_SYSTEM, document_vocabulary, member_text
+    from vllm_dp_plugin.serving.aggregate import ANSWER_SYSTEM, member_text
     from vllm_dp_plugin.serving.memory import kv_cache_args
 
     tok = AutoTokenizer.from_pretrained(args.model)
@@ -80,7 +80,12 @@ def main() -> None:
         examples = []
         for s in scenarios:
             docs = s["documents"]
-            vocab = [document_vocabulary(tok, [d], stops) for d in docs]
+            if variant == "vocab":
+                from vllm_dp_plugin.serving.aggregate import document_vocabulary
+
+                vocab = [document_vocabulary(tok, [d], stops) for d in docs]
+            else:
+                vocab = [None] * len(docs)
             for q in s["questions"]:
                 if q["kind"] == "public":
                     continue

@@ -21,6 +21,11 @@ anything is reserved, and an engine error inside a query becomes one fixed, text
 sub-requests carry a secret per-deployment ``cache_salt`` (keyed), the public sequence and any
 empty member (whose prompt is the client's conversation alone) a fresh random one per query, so no
 client-chosen sequence shares a cached block with a member that holds documents.
+Under ``mechanism: answer`` (``_AnswerQuery``) every member decodes exactly ``answer_tokens``
+tokens in one batch (EOS ignored: no member's answer length shows in the reply's time), one
+partition selection releases the agreed answer phrase, and the reply states it and stops, or says
+that the documents gave no answer it can share (then, with ``on_empty: public``, the public
+model's answer to the conversation alone, marked as general knowledge).
 Budget: a query reserves its worst case in the persistent ledger before any member is computed
 (HTTP 429 with the remaining budget when it does not fit) and settles what it spent when it ends
 (the worst case if it fails).
