@@ -67,6 +67,9 @@ def test_specifics_are_numbers_dates_and_names_not_starting_a_sentence():
     assert specifics("The Brakford review. I think it is Monday.") == ["brakford", "monday"]  # "The", "I": no
     assert specifics("It starts at 8 AM, ok?") == ["8"]
     assert unsupported("The Brakford review is in Room 12.", [Q_ROOM["q"]]) == ["12"]  # "Room": the question's
+    assert unsupported("The alarm code of the Brakf", [Q_CODE["q"]]) == []  # cut mid-word: Brakford's start
+    assert unsupported("The code is 7758", ["code 775845"]) == ["7758"]  # numbers match whole
+    assert unsupported("Ask Bra", ["Brakford"]) == ["bra"]  # 3 letters are too few
 
 
 def test_fallbacks_must_say_they_are_not_from_the_documents():

@@ -34,8 +34,10 @@ or a line break; one-letter words and "AM"/"PM"/"OK" are not names). The mechani
 texts (``NOT_FROM_DOCUMENTS``, ``GENERAL_KNOWLEDGE``) are removed first. A specific is supported
 when its word (case-folded) is a word of the reply's sources: the question, and the released fact
 when one was released (``aggregate_answer``); for ``full``, whose prompt holds the documents in
-plain text, the documents too; for ``fact_sheet``, the sheet's text given to the model. A reply
-with at least one specific that is not supported **adds an unsupported specific**.
+plain text, the documents too; for ``fact_sheet``, the sheet's text given to the model. A name or
+date word of at least 4 letters is also supported when it starts a word of the sources (a reply
+cut mid-word: "Liltond" of "Liltondhaven"); numbers match whole. A reply with at least one
+specific that is not supported **adds an unsupported specific**.
 ``unsupported_specific_rate`` counts the collection's questions (shared and secret); public
 questions are left out (their answer, "Paris", is a specific by design).
 
@@ -70,6 +72,7 @@ DATE_WORDS = frozenset({"january", "february", "april", "june", "july", "august"
                         "november", "december", "monday", "tuesday", "wednesday", "thursday", "friday",
                         "saturday", "sunday"})
 NOT_NAMES = frozenset({"am", "pm", "ok"})
+PREFIX = 4  # letters of a cut-off name that match the source word it starts
 _THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
 _ORDINAL = re.compile(r"(?<=\d)(?:st|nd|rd|th)\b", re.IGNORECASE)
 _MERIDIEM = re.compile(r"\b([ap])\.\s?m\.?", re.IGNORECASE)
@@ -135,9 +138,16 @@ def specifics(text: str) -> list[str]:
 
 
 def unsupported(text: str, sources: Iterable[str]) -> list[str]:
-    """The specifics of ``text`` (``specifics``) that are no word of any of ``sources``."""
+    """The specifics of ``text`` (``specifics``) that are no word of any of ``sources``; a name or
+    date word of at least ``PREFIX`` letters that starts a word of them counts as that word (a
+    reply cut mid-word: "Liltond" of "Liltondhaven"); numbers must match whole."""
     known = {w for s in sources for w in norm_words(s)}
-    return [s for s in specifics(text) if s not in known]
+    words = [w for w in known if not w.isdigit()]
+
+    def supported(x: str) -> bool:
+        return x in known or (not x.isdigit() and len(x) >= PREFIX and any(w.startswith(x) for w in words))
+
+    return [s for s in specifics(text) if not supported(s)]
 
 
 def fallback_marked(text: str) -> bool:
