@@ -102,3 +102,13 @@ def test_hedges_and_the_questions_own_nouns_stay_out_of_the_phrase():
     staff = "How many employees does Pekrok Logistics have?"
     assert key("Exactly 2718 employees", "notes", staff) == "2718"
     assert key("The Skeltmind River", "memo") == "skeltmind"  # "river" is the question's word
+
+
+def test_a_common_number_is_the_value_and_its_label_joins_it():
+    """"6" is a common word but the value of "On which level ...?": it votes (numbers always do)
+    and is the phrase's core over "car" (of "the car park"); "level", the question's own word as
+    written, joins it as its label."""
+    doc = ["At Vesgresstead, visitor parking is on level 6 of the car park."]
+    question = "On which level do visitors park at Vesgresstead?"
+    assert answer_key("The level 6 of the car park.", doc, question, [INSTRUCTION]) == "level 6"
+    assert answer_key("Level 6", doc, question, [INSTRUCTION]) == "level 6"

@@ -21,11 +21,12 @@ instruction), so it adds no sensitivity beyond the member's own documents:
    "Westgate", "Seattle"), one of those names: a member that answers with another fact of its
    documents, or with the same property of another site, abstains;
 5. the key is the **answer phrase** around the answer's rarest such word (lowest public
-   frequency; ties: longer, then alphabetical): its neighbours in the answer join while the
+   frequency, numbers counted rarer: ``rarity``; ties: longer, then alphabetical): its neighbours in the answer join while the
    phrase stays a run of words of one relevant sentence of the documents (at most
    ``MAX_PHRASE`` words) and each is a voting word ("regional manager", "drakbre skomthu",
-   "west entrance"), a number, a unit after a number ("8 am"), or a capitalised word of the
-   question just before a number ("Room 12": a label, where "employs 2,718" is not); hedges ("exactly 2718") and words the question states
+   "west entrance"), a number, a unit after a number ("8 am"), or a word of the question as
+   written (or capitalised) just before a number ("level 6", "Room 12": a label, where
+   "employs 2,718" is not); numbers vote however common ("6") and count as rare; hedges ("exactly 2718") and words the question states
    elsewhere ("the Skeltmind River" for "which river") stay out, and so do very common words
    ("the"). Ordinal suffixes and thousands separators are dropped: "september 14" (of
    "September 14 to 16", "September 14-16" and "September 14th"), "2718".
@@ -84,6 +85,7 @@ HEDGES = frozenset(("exactly", "approximately", "about", "around", "nearly", "al
                     "just", "over", "under", "least", "most", "more", "less", "than", "up"))  # never in a phrase
 UNITS = frozenset(("am", "pm", "percent"))  # join the number before them, however common
 MAX_PHRASE = 4  # words of a released answer phrase
+NUMBER_BONUS = 3.0  # Zipf units a number counts as rarer when choosing the phrase's core
 
 
 def subject_words(question: str) -> list[str]:
@@ -103,7 +105,7 @@ class Reading:
     spelled: list[str]
     voting: list[bool]
     restated: list[bool]
-    capital: list[bool]
+    label: list[bool]  # capitalised in the answer, or a word of the question as written
     relevant: list[list[str]]
 
 
@@ -124,8 +126,21 @@ def read(answer: str, documents: Sequence[str], question: str, public: Iterable[
     raw = WORD.findall(unicodedata.normalize("NFKC", first))
     spelled = [_spelled(t.casefold(), own) for t in raw]
     restated = [w in names or _related({w}, restating) for w in spelled]
-    voting = [w in within and zipf(w) < STOP_ZIPF and not r for w, r in zip(spelled, restated, strict=True)]
-    return Reading(spelled, voting, restated, [t[:1].isupper() for t in raw], relevant)
+    voting = [w in within and (zipf(w) < STOP_ZIPF or has_digit(w)) and not r
+              for w, r in zip(spelled, restated, strict=True)]
+    asked_as_written = set(words(question))
+    labels = [t[:1].isupper() or w in asked_as_written for t, w in zip(raw, spelled, strict=True)]
+    return Reading(spelled, voting, restated, labels, relevant)
+
+
+def has_digit(word: str) -> bool:
+    return any(c.isdigit() for c in word)
+
+
+def rarity(word: str) -> float:
+    """How rare a voting word is, for choosing the phrase's core (lower: rarer): its public
+    frequency, numbers ``NUMBER_BONUS`` rarer (a value: "6" in "level 6", however common "6" is)."""
+    return zipf(word) - NUMBER_BONUS * has_digit(word)
 
 
 def candidate_words(answer: str, documents: Sequence[str], question: str, public: Iterable[str] = ()) -> list[str]:
@@ -148,7 +163,7 @@ def answer_key(answer: str, documents: Sequence[str], question: str, public: Ite
     """The member's vote: the answer phrase around its rarest voting word (module docstring,
     step 5), or None."""
     r = read(answer, documents, question, public)
-    ranked = [(zipf(w), -len(w), w, i) for i, (w, v) in enumerate(zip(r.spelled, r.voting, strict=True)) if v]
+    ranked = [(rarity(w), -len(w), w, i) for i, (w, v) in enumerate(zip(r.spelled, r.voting, strict=True)) if v]
     if not ranked:
         return None
     *_, at = min(ranked)
@@ -169,7 +184,7 @@ def phrase_at(r: Reading, at: int) -> tuple[int, int]:
         number_next = before and words_[start].isdigit()
         after_number = not before and words_[end - 1].isdigit()
         return (r.voting[i] or word.isdigit() or (after_number and word in UNITS)
-                or (number_next and r.restated[i] and r.capital[i] and zipf(word) < STOP_ZIPF))
+                or (number_next and r.restated[i] and r.label[i] and zipf(word) < STOP_ZIPF))
 
     start, end = at, at + 1
     while end - start < MAX_PHRASE:

@@ -6,7 +6,7 @@ nothing made up and nothing to span-check: every key's words are the document's)
 1. each sentence is one fact line (a leading label such as "Memo:" is dropped); commas, colons, semicolons and brackets split it into clauses
    (a phrase never spans them: "From its headquarters in Proudrainhaven, Bromsork Robotics ...");
 2. the line's words that are not very common (``answer.STOP_ZIPF``, public frequencies) may
-   form the key; a word holding a digit ranks ``NUMBER_BONUS`` rarer (a number is a value:
+   form the key; a word holding a digit ranks ``answer.NUMBER_BONUS`` rarer (a number is a value:
    "2718", not the rarer-looking "headcount", states how many);
 3. the key is the line's two rarest phrases, each grown around its rarest word as answer-level
    aggregation's key is (``answer.run_at``: rare neighbours, a number on each side), and also
@@ -35,18 +35,24 @@ from dataclasses import dataclass
 import torch
 
 from ..privacy.partition_selection import ThresholdRelease
-from .answer import ORDINAL, SENTENCE, STOP_ZIPF, THOUSANDS, WORD, run_at, words, zipf
+from .answer import (
+    ORDINAL,
+    SENTENCE,
+    STOP_ZIPF,
+    THOUSANDS,
+    WORD,
+    has_digit,
+    rarity,
+    run_at,
+    words,
+    zipf,
+)
 
 LABEL = re.compile(r"^\s*[^\W\d_][\w' -]{0,40}:\s+")  # "Memo: ", "Email to drivers: " (at most a few words)
 CLAUSE = re.compile(r"[,;:()\[\]]")
-NUMBER_BONUS = 3.0  # Zipf units a word holding a digit counts as rarer
 PHRASES = 2  # phrases per key
 SEPARATOR = " | "
 SHEET_HEADER = "Facts that many of the documents state (each line: names the documents state together):"
-
-
-def word_has_digit(word: str) -> bool:
-    return any(c.isdigit() for c in word)
 
 
 def sentence_key(sentence: str) -> str | None:
@@ -62,12 +68,12 @@ def sentence_key(sentence: str) -> str | None:
     def name(i: int, inner: int) -> bool:  # "Skeltmind River", "September 14"
         return (capital[i] or found[i].isdigit()) and capital[inner] or capital[i] and found[inner].isdigit()
 
-    order = sorted((zipf(w) - NUMBER_BONUS * word_has_digit(w), -len(w), w, i)
+    order = sorted((rarity(w), -len(w), w, i)
                    for i, w in enumerate(found) if w is not None)
     phrases: list[str] = []
     used: set[str] = set()
     for *_, word, at in order:
-        if word in used or (word_has_digit(word) and any(map(word_has_digit, used))):
+        if word in used or (has_digit(word) and any(map(has_digit, used))):
             continue  # at most one number: a key relates a value and a name, not two numbers
         start, end = run_at(found, at, name)
         run = [w for w in dict.fromkeys(found[start:end]) if w not in used]
