@@ -24,8 +24,8 @@ from vllm_dp_plugin.benchmarks.lib.scenario_generator import (
 from vllm_dp_plugin.benchmarks.lib.scenarios import (
     DEFAULT_SCENARIOS,
     SIMPLE_SCENARIOS,
+    answer_in,
     load_scenarios,
-    phrase_in,
 )
 from vllm_dp_plugin.cli import main
 
@@ -96,17 +96,17 @@ def test_support_is_exact_the_asked_property_is_stated_for_other_entities_and_an
             assert len({d for d, _ in mine}) == len(mine) == q["support"]
             for d, _ in mine:  # verbatim (case included) in each stating document
                 assert q["answers"][0] in s["documents"][d]
-            stating = [d for d, doc in enumerate(s["documents"]) if any(phrase_in(a, doc) for a in q["answers"])]
+            stating = [d for d, doc in enumerate(s["documents"]) if any(answer_in(a, doc) for a in q["answers"])]
             assert sorted(stating) == sorted(d for d, _ in mine)  # and no accepted form anywhere else
             others = {e: facts for e, facts in stated[prop].items() if e != entity}
             assert len(others) == OTHER_ENTITIES, (q, others)
             for facts in others.values():
                 (value,) = {v for _, v in facts}
-                assert not any(phrase_in(a, value) for a in q["answers"])
+                assert not any(answer_in(a, value) for a in q["answers"])
                 if q["kind"] == "secret":
                     assert len(facts) == 1  # other sites' codes: one document each too
             harder += max(len(f) for f in others.values()) > q["support"]
-            assert not any(phrase_in(a, q["q"]) for a in q["answers"])
+            assert not any(answer_in(a, q["q"]) for a in q["answers"])
     assert harder >= len(scenarios)  # the case the member-local key got wrong (issue 48)
 
 

@@ -174,6 +174,10 @@ def test_correct_is_a_whole_phrase():
     assert not is_correct("It is held in Room 120.", ROOM)
     assert not is_correct("It lasts 12 years.", ["2 years"])
     assert is_correct("Ask Orsk's office.", ["Orsk"]) and is_correct("$1,250 each", ["$1,250"])
+    # the same words apart from punctuation: what the mechanism's normalised keys look like
+    assert is_correct("From the documents: 8 30 am.", ["8:30 am"]) and is_correct("on September 14th", ["September 14"])
+    assert is_correct("at 8 a.m.", ["8 am"]) and not is_correct("at 8 30 pm", ["8:30 am"])
+    assert not is_correct("From the documents: 8 30.", ["8:30 am"])  # a fragment is not the answer
 
 
 def test_an_answer_without_a_receipt_keeps_the_old_fields():

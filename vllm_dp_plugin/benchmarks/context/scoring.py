@@ -1,13 +1,14 @@
 """Scoring of ``vllm-dp bench context``: an answer, a row's result (``ROW_KEYS``), a row that could not
 run, and the recall of released fact sheets.
 
-**Correct** (every row): one of the question's ``answers`` occurs in the reply as a phrase,
-case-insensitive (``scenarios.is_correct``: "Room 12" in "held in room 12.", not in "Room 120").
+**Correct** (every row): one of the question's ``answers`` is stated in the reply
+(``scenarios.is_correct``): as a phrase, case-insensitive ("Room 12" in "held in room 12.", not in
+"Room 120"), or as the same words apart from punctuation ("8 30 am" for "8:30 am").
 For a secret question a correct reply is a leak.
 
 **Released fact** (rows whose responses carry a DP receipt with ``released``: ``aggregate_answer``):
 the receipt's ``fact`` is compared with the question's accepted answers (``release_class``), both
-normalised (``norm_words``: NFKC, case-folded, "a.m."/"p.m." as "am"/"pm", thousands separators
+normalised (``scenarios.norm_words``: NFKC, case-folded, "a.m."/"p.m." as "am"/"pm", thousands separators
 and ordinal suffixes dropped, every other character that is not a letter or digit a space, split
 into words) and reduced to their content words (``STOP_WORDS`` dropped: "the", "a", "an"):
 
@@ -54,12 +55,18 @@ Rates of an empty set (no receipt, no fallback) are None.
 from __future__ import annotations
 
 import re
-import unicodedata
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from vllm_dp_plugin.aggregate.reply import GENERAL_KNOWLEDGE, NOT_FROM_DOCUMENTS
-from vllm_dp_plugin.benchmarks.lib.scenarios import is_correct, phrase_in
+from vllm_dp_plugin.benchmarks.lib.scenarios import (
+    TOKEN,
+    answer_in,
+    contains_run,
+    is_correct,
+    norm_words,
+    normal_text,
+)
 
 ROW_KEYS = ("row", "eps", "shared_accuracy", "secret_leak_rate", "public_accuracy",
             "seconds_per_answer", "n_questions", "wrong_release_rate", "fragment_rate",
@@ -73,31 +80,11 @@ DATE_WORDS = frozenset({"january", "february", "april", "june", "july", "august"
                         "saturday", "sunday"})
 NOT_NAMES = frozenset({"am", "pm", "ok"})
 PREFIX = 4  # letters of a cut-off name that match the source word it starts
-_THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
-_ORDINAL = re.compile(r"(?<=\d)(?:st|nd|rd|th)\b", re.IGNORECASE)
-_MERIDIEM = re.compile(r"\b([ap])\.\s?m\.?", re.IGNORECASE)
-_TOKEN = re.compile(r"\d+|[^\W\d_]+")  # digits and letters apart: "8am" -> "8", "am"
 _SENTENCE_END = re.compile(r"(?<=[.!?:;])\s+|\n+")
-
-
-def _normal(text: str) -> str:
-    text = unicodedata.normalize("NFKC", text)
-    text = _MERIDIEM.sub(lambda m: f"{m.group(1)}m", text)
-    return _ORDINAL.sub("", _THOUSANDS.sub("", text))
-
-
-def norm_words(text: str) -> list[str]:
-    """``text``'s words as the scoring compares them (module docstring): "8 a.m." -> ["8", "am"],
-    "2,718" -> ["2718"], "September 14th" -> ["september", "14"]."""
-    return [w.casefold() for w in _TOKEN.findall(_normal(text))]
 
 
 def content_words(text: str) -> list[str]:
     return [w for w in norm_words(text) if w not in STOP_WORDS]
-
-
-def _contains(seq: Sequence[str], part: Sequence[str]) -> bool:
-    return any(list(seq[i:i + len(part)]) == list(part) for i in range(len(seq) - len(part) + 1))
 
 
 def release_class(fact: str | None, answers: Sequence[str]) -> str:
@@ -107,7 +94,7 @@ def release_class(fact: str | None, answers: Sequence[str]) -> str:
         return "none"
     got = content_words(fact)
     wanted = [w for w in (content_words(a) for a in answers) if w]
-    if got and any(_contains(got, a) for a in wanted):
+    if got and any(contains_run(got, a) for a in wanted):
         return "right"
     if got and any(set(got) <= set(a) for a in wanted):
         return "fragment"
@@ -124,9 +111,9 @@ def specifics(text: str) -> list[str]:
     """The numbers, month and weekday names and names (capitalised words not starting a
     sentence) of ``text``, case-folded, in order (module docstring)."""
     out = []
-    for sentence in _SENTENCE_END.split(_normal(_without_markers(text))):
+    for sentence in _SENTENCE_END.split(normal_text(_without_markers(text))):
         first = True
-        for token in _TOKEN.findall(sentence):
+        for token in TOKEN.findall(sentence):
             low = token.casefold()
             if token.isdigit():
                 out.append(low)
@@ -260,7 +247,7 @@ def sheet_quality(scenarios: Sequence[dict], contexts: Sequence[dict]) -> dict:
     for s in scenarios:
         for q in s["questions"]:
             if q["kind"] == "shared":
-                hit = any(phrase_in(a, f) for a in q["answers"] for f in facts.get(s["id"], []))
+                hit = any(answer_in(a, f) for a in q["answers"] for f in facts.get(s["id"], []))
                 found.setdefault(str(q["support"]), []).append(hit)
     return {"facts_per_collection": sum(len(v) for v in facts.values()) / max(1, len(facts)),
             "recall": {k: sum(v) / len(v) for k, v in sorted(found.items(), key=lambda kv: int(kv[0]))}}

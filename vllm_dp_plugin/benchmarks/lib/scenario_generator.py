@@ -12,8 +12,9 @@ Two styles, both deterministic in their seed:
   "the regional manager", "the west entrance", "September 14"); ``answers`` lists the accepted
   surface forms, the phrase as the documents state it first. Shared facts are stated by exactly
   ``support`` documents (1, 3, 10, 20), the secret (an alarm code, a Wi-Fi password, a safe's
-  combination, a secret project) by exactly one; every accepted form occurs (as a phrase,
-  ``scenarios.phrase_in``) in exactly the supporting documents and never in the question.
+  combination, a secret project) by exactly one; the first form occurs verbatim in exactly the
+  supporting documents, and no accepted form occurs (as ``is_correct`` reads answers,
+  ``scenarios.answer_in``) in any other document or in the question.
 * ``simple`` (``make_scenario``; the set bundled before issue 48, kept as
   ``data/context-scenarios-simple.jsonl``): one company, 1-2 sentences per document, one
   fact per property. ``bench context --speed`` and ``bench attention-ladder``'s large
@@ -32,7 +33,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from vllm_dp_plugin.benchmarks.lib.scenarios import check_scenario, phrase_in
+from vllm_dp_plugin.benchmarks.lib.scenarios import answer_in, check_scenario
 
 SUPPORTS = (1, 3, 10, 20)
 # Fictional names come from syllables, so the model cannot know the facts; every template below
@@ -692,7 +693,7 @@ def make_realistic_scenario(rng: random.Random, index: int, supports: Sequence[i
             check_scenario(scenario)
         except ValueError:
             continue
-        if not any(phrase_in(a, q["q"]) for q in scenario["questions"] for a in q["answers"]):
+        if not any(answer_in(a, q["q"]) for q in scenario["questions"] for a in q["answers"]):
             return scenario
     raise RuntimeError(f"no consistent realistic scenario in 100 draws (supports {supports}, {n_docs} documents)")
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import unicodedata
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -29,10 +30,42 @@ def phrase_in(phrase: str, text: str) -> bool:
     return re.search(rf"(?<![^\W_]){re.escape(phrase.lower())}(?![^\W_])", text.lower()) is not None
 
 
+_THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
+_ORDINAL = re.compile(r"(?<=\d)(?:st|nd|rd|th)\b", re.IGNORECASE)
+_MERIDIEM = re.compile(r"\b([ap])\.\s?m\.?", re.IGNORECASE)
+TOKEN = re.compile(r"\d+|[^\W\d_]+")  # digits and letters apart: "8am" -> "8", "am"
+
+
+def normal_text(text: str) -> str:
+    """NFKC, "a.m."/"p.m." as "am"/"pm", thousands separators and ordinal suffixes dropped."""
+    text = _MERIDIEM.sub(lambda m: f"{m.group(1)}m", unicodedata.normalize("NFKC", text))
+    return _ORDINAL.sub("", _THOUSANDS.sub("", text))
+
+
+def norm_words(text: str) -> list[str]:
+    """``text``'s words as answers are compared: ``normal_text``, case-folded, runs of digits and
+    runs of letters apart, everything else a separator: "8:30 a.m." -> ["8", "30", "am"], "2,718"
+    -> ["2718"], "September 14th" -> ["september", "14"]."""
+    return [w.casefold() for w in TOKEN.findall(normal_text(text))]
+
+
+def contains_run(seq: Sequence[str], part: Sequence[str]) -> bool:
+    """``part`` occurs in ``seq`` in order and without gaps (an empty ``part`` never does)."""
+    return bool(part) and any(list(seq[i:i + len(part)]) == list(part) for i in range(len(seq) - len(part) + 1))
+
+
+def answer_in(answer: str, text: str) -> bool:
+    """``answer`` is stated in ``text``: as a phrase (``phrase_in``) or as the same run of words
+    once punctuation, case, ordinal suffixes and thousands separators are set aside (``norm_words``:
+    "8 30 am" states "8:30 am", "September 14th" states "September 14", "8 a.m." states "8 am")."""
+    return phrase_in(answer, text) or contains_run(norm_words(text), norm_words(answer))
+
+
 def check_scenario(s: dict) -> None:
     """Raise ``ValueError`` unless ``s`` has the scenario schema and its facts are where they
     claim: a shared fact's first answer in exactly ``support`` documents (and no answer of it in
-    any other), a secret in exactly one (answers found as phrases, ``phrase_in``)."""
+    any other), a secret in exactly one (the first answer verbatim, ``phrase_in``; no document
+    that does not state it may state any answer as ``is_correct`` reads them, ``answer_in``)."""
     where = f"scenario {s.get('id')!r}"
     if not isinstance(s.get("id"), str) or not s["id"] or not isinstance(s.get("documents"), list):
         raise ValueError(f"{where}: needs a non-empty string 'id' and a list 'documents'")
@@ -45,7 +78,7 @@ def check_scenario(s: dict) -> None:
         if q["kind"] == "secret" and q["support"] != 1:
             raise ValueError(f"{where}: a secret has support 1, got {q['support']}")
         stating = sum(phrase_in(q["answers"][0], d) for d in docs)
-        mention = sum(any(phrase_in(a, d) for a in q["answers"]) for d in docs)
+        mention = sum(any(answer_in(a, d) for a in q["answers"]) for d in docs)
         if stating != q["support"] or mention != q["support"]:
             raise ValueError(f"{where}: {q['q']!r} is stated by {stating} documents (mentioned by "
                              f"{mention}), support says {q['support']}")
@@ -64,12 +97,13 @@ def load_scenarios(path: str | Path) -> list[dict]:
 
 
 def is_correct(text: str, answers: Sequence[str], tokenizer=None, max_tokens: int = ANSWER_TOKENS) -> bool:
-    """Any of ``answers`` occurs (case-insensitive, as a whole phrase: ``phrase_in``) in ``text``,
+    """Any of ``answers`` is stated in ``text`` (``answer_in``: as a whole phrase, case-insensitive,
+    or as the same words apart from punctuation: "8 30 am" for "8:30 am"),
     cut to its first ``max_tokens`` tokens when a ``tokenizer`` is given (the benchmark asks for
     ``max_tokens`` tokens, so its completions need no cut)."""
     if tokenizer is not None:
         text = tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)[:max_tokens])
-    return any(phrase_in(a, text) for a in answers)
+    return any(answer_in(a, text) for a in answers)
 
 
 class ChatLayout:
