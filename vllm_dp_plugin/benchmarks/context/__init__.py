@@ -9,7 +9,7 @@ A real chat model is asked questions about a set of short documents served as it
   private or not, makes ordinary answers worse.
 
 An answer is correct when any of the question's ``answers`` occurs (case-insensitive, as a whole
-phrase) in the first 32 greedy tokens (``temperature 0``, ``max_tokens 32``). Rows whose responses
+phrase, or as the same words apart from punctuation: ``scenarios.answer_in``) in the first 32 greedy tokens (``temperature 0``, ``max_tokens 32``). Rows whose responses
 carry a DP receipt (``aggregate_answer``) are also judged on what they release and say
 (``scoring``'s docstring has the exact rules): the **wrong-release rate** (shared and secret
 questions whose reply states a released fact that is not the answer), the **fragment rate**
