@@ -96,6 +96,8 @@ def test_quick_run_writes_the_ratio_and_its_verdict(which, demo_model, config_on
     assert summary["verdict"] == bench.verdict(summary["ratio"]) and summary["ratio"] == row["ratio"] > 0
     assert row["member_tokens"][0] > row["plain_tokens"] > 0  # documents + instruction make members longer
     assert meta["random_weights"] == (which == "config only") and meta["dtype"] == "float32"
-    assert meta["documents"] == 24 and meta["answer_tokens"] == bench.QUICK["answer_tokens"]
+    quick = load_scenarios(DEFAULT_SCENARIOS)[: bench.QUICK["scenarios"]]
+    assert meta["documents"] == sum(len(s["documents"]) for s in quick)
+    assert meta["answer_tokens"] == bench.QUICK["answer_tokens"]
     assert bench.target_line(summary) in text
     assert ("random weights (seed 0)" in text) == (which == "config only")
