@@ -39,6 +39,7 @@ ANSWER_INSTRUCTION = ("Answer the user's question with a short phrase copied fro
                       "document does not answer it, answer NONE.")
 ON_EMPTY = ("public", "refuse")
 ANSWER_VOCABULARIES = ("document", "any")  # what a member of mechanism answer may decode
+ANSWER_MEMBERS = ("model", "extract")  # how a member of mechanism answer votes: the model answers, or it reads
 CONFIG_KEY = "dp_privacy"
 
 
@@ -310,8 +311,14 @@ class AggregatePrivacyConfig:
     one key (``aggregate.answer``: the words of its answer that its own document holds); one DP
     partition selection per query (``privacy.partition_selection``, OpenDP's exact Laplace
     threshold at the query's (epsilon, delta)) releases the keys enough members agree on, and the
-    model answers the conversation with the most agreed one as a fact. Nothing released:
-    ``on_empty`` ``public`` answers without the documents, ``refuse`` says so.
+    reply states the most agreed one as from the documents. Nothing released:
+    ``on_empty`` ``public`` answers without the documents, marked as general knowledge, ``refuse``
+    only says that the documents gave no answer. ``answer_member``: ``model`` (as above) or
+    ``extract``: no model runs for a member; it reads its documents by rule
+    (``aggregate.answer.extract_key``: the clauses naming the question's subject and holding most
+    of what it asks, read as its answer) and votes when they agree, so a query costs no member
+    decoding (``answer_tokens``, ``answer_instruction`` and ``answer_vocabulary`` then only bound
+    the reply's length, or do not apply).
 
     The members of a query (and the public sequence) run in one engine batch; the guarantee
     assumes a sequence's outputs do not depend on what else is in the batch (else one document
@@ -347,6 +354,7 @@ class AggregatePrivacyConfig:
     on_empty: str = "public"
     answer_members: int | None = None
     answer_vocabulary: str = "any"
+    answer_member: str = "model"
     allow_batch_variance: bool = False
     operator_key_sha256: str | None = None
 
@@ -356,6 +364,7 @@ class AggregatePrivacyConfig:
             raise ConfigError(f"aggregate.allow_batch_variance must be true or false, got {self.allow_batch_variance!r}")
         _choice(self.on_empty, ON_EMPTY, "aggregate.on_empty")
         _choice(self.answer_vocabulary, ANSWER_VOCABULARIES, "aggregate.answer_vocabulary")
+        _choice(self.answer_member, ANSWER_MEMBERS, "aggregate.answer_member")
         _check(check_count, self.answer_tokens, "aggregate.answer_tokens")
         if self.answer_members is not None:
             _check(check_count, self.answer_members, "aggregate.answer_members")

@@ -504,6 +504,8 @@ AGGREGATE_NOT_PROTECTED = (
 BATCH_INVARIANCE = ("a sequence's outputs do not depend on the rest of its engine batch (a query's members decode "
                     "together): measured on the CPU engine (float32); elsewhere VLLM_BATCH_INVARIANT=1 is required "
                     "unless aggregate.allow_batch_variance is set")
+EXTRACTED = ("nothing beyond the mechanism: each member's vote is a deterministic function of its own documents "
+             "and the public question (answer_member: extract, no model runs for a member)")
 BATCH_VARIANCE = ("; and, with aggregate.allow_batch_variance, batch composition: on an engine that is not "
                   "batch-invariant one document can change other members' answers (several votes) at rounding level")
 
@@ -562,14 +564,19 @@ def aggregate_report(cfg: AggregatePrivacyConfig, name: str, ledger: BudgetStatu
                       "worst_case": {"epsilon": params.worst_case.epsilon, "delta": params.worst_case.delta}},
         "max_queries": max_queries(cfg),
         "budget": {"epsilon": cfg.total_epsilon, "delta": cfg.total_delta},
-        "not_protected": AGGREGATE_NOT_PROTECTED + (BATCH_VARIANCE if cfg.allow_batch_variance else ""),
-        "assumes": BATCH_INVARIANCE,
         "statement": params.statement(),
     }
+    extract = isinstance(params, AnswerParams) and cfg.answer_member == "extract"
+    report.update(not_protected=AGGREGATE_NOT_PROTECTED + (BATCH_VARIANCE if cfg.allow_batch_variance and not extract
+                                                           else ""),
+                  assumes=EXTRACTED if extract else BATCH_INVARIANCE)
     if isinstance(params, AnswerParams):
         release = params.release
         members = "one per document" if cfg.answer_members is None else f"{cfg.answer_members} by keyed hash"
-        report.update(members=members, selection={"scale": release.scale, "threshold": release.threshold,
+        report.update(members=members, member_votes=("read from its own documents by rule, no model "
+                                                      "(answer_member: extract)") if extract else
+                      "the model's answer from its own documents, read against them (answer_member: model)",
+                      selection={"scale": release.scale, "threshold": release.threshold,
                                                   "keys_per_document": release.l0},
                       composition="per query: one discrete-Laplace partition selection (exact release "
                                   "probabilities); over queries: basic")

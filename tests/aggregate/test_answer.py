@@ -112,3 +112,53 @@ def test_a_common_number_is_the_value_and_its_label_joins_it():
     question = "On which level do visitors park at Vesgresstead?"
     assert answer_key("The level 6 of the car park.", doc, question, [INSTRUCTION]) == "level 6"
     assert answer_key("Level 6", doc, question, [INSTRUCTION]) == "level 6"
+
+
+# ------------------------------------------------------------------ answer_member: extract
+READ = {  # realistic documents: headers, several facts, the asked property also stated for another site
+    "policy": "Ref LOG-4068 | Policy: Send travel expense claims from Sorkkukbury to the area coordinator for "
+              "approval. Visitors to Sorkkukbury park on level 4 of the car park.",
+    "ticket": "Ticket ADM-8041 — Remember that the morning shift at Lorbundale begins at 6:45 am. Visitors to "
+              "Thirmisdale must sign in at the front desk.",
+    "letter": "Customer letter: Visitors to Vesgresstead park on level 6 of the car park. Visitors to Mikromoor "
+              "park on level 2 of the car park.",
+    "guests": "Site guide: Guests of Vesgresstead should use level 6 of the garage.",
+    "both": "Memo: Visitors to Vesgresstead park on level 6. Visitors to Vesgresstead park on level 3.",
+    "team": "Interview: Budget code FN-1793 belongs to the logistics team. Voustilt Stiqua leads the training "
+            "team. The training team books its costs to budget code SL-2456.",
+}
+
+
+def extract(doc: str, question: str) -> str | None:
+    from vllm_dp_plugin.aggregate.answer import extract_key
+
+    return extract_key([READ[doc]], question)
+
+
+def test_a_reading_member_votes_the_phrase_of_the_clause_that_answers_not_the_header():
+    assert extract("ticket", "What time does the morning shift start at Lorbundale?") == "6 45 am"
+    assert extract("policy", "Who approves travel expenses at Sorkkukbury?") == "area coordinator"
+    assert extract("letter", "On which level do visitors park at Vesgresstead?") == "level 6"
+
+
+def test_a_reading_member_abstains_on_another_subject_and_on_two_values():
+    assert extract("letter", "On which level do visitors park at Quolgrilbury?") is None  # not its site
+    assert extract("ticket", "Who approves travel expenses at Lorbundale?") is None  # not stated
+    assert extract("both", "On which level do visitors park at Vesgresstead?") is None  # 6 and 3: no vote
+    # a paraphrase sharing one of "level", "visitors", "park" is not enough (all but one): the limit
+    assert extract("guests", "On which level do visitors park at Vesgresstead?") is None
+
+
+def test_a_reading_member_takes_the_clause_holding_most_of_what_is_asked():
+    """"training" alone also names the budget-code sentence; "leads" and "training" only the lead's."""
+    assert extract("team", "Who leads the training team?") == "voustilt stiqua"
+
+
+def test_a_reading_member_depends_on_its_own_documents_only():
+    """The vote of a member is the same whatever other documents the collection holds: the
+    function takes its documents and the public question, nothing else."""
+    from vllm_dp_plugin.aggregate.answer import extract_key
+
+    question = "On which level do visitors park at Vesgresstead?"
+    assert extract_key([READ["letter"], READ["policy"]], question) == "level 6"
+    assert extract_key([READ["letter"], READ["both"]], question) is None  # its own two documents disagree

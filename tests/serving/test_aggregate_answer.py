@@ -258,3 +258,20 @@ def test_the_released_count_carries_discrete_laplace_noise_of_scale_one_over_eps
     var = 2 * q / (1 - q) ** 2
     assert abs(np.mean(counts) - 30) < 4 * math.sqrt(var / 100)
     assert 0.40 * var <= np.var(counts, ddof=1) <= 3.0 * var
+
+
+def test_answer_member_extract_reads_the_documents_and_runs_no_member(tmp_path, tokenizer):  # noqa: F811
+    """``answer_member: extract``: the ten documents that state the date vote for it read by rule
+    (no member reaches the engine), the secret's one document stays under the threshold, and the
+    statement says how members vote and drops the batch-invariance assumption."""
+    svc, engine = answer_service(tmp_path, tokenizer, answer_member="extract")
+    status, body = ask(svc, INVENTORY)
+    assert status == 200 and engine.calls == []  # nothing decoded: the reply is the release
+    assert body["choices"][0]["message"]["content"] == FROM_DOCUMENTS.format(fact="14 quintember")
+    assert body["dp_receipt"]["released"] and body["dp_receipt"]["noisy_count"] >= 5
+    status, body = ask(svc, ALARM)
+    assert status == 200 and not body["dp_receipt"]["released"]
+    assert len(engine.calls) == 1 and "Document" not in tokenizer.decode(engine.calls[0]["ids"])  # the public answer
+    statement = svc.statement(())["contexts"][0]
+    assert "extract" in statement["member_votes"] and "batch" not in statement["assumes"]
+    assert queries(svc) == 2

@@ -32,6 +32,11 @@ instruction), so it adds no sensitivity beyond the member's own documents:
    "September 14 to 16", "September 14-16" and "September 14th"), "2718".
    Members whose documents paraphrase one fact answer in different words but share that phrase.
    None when no word is left: the member abstains.
+
+``extract_key`` is the member that reads instead of answering (``answer_member: extract``): no
+model; its documents' clauses that name the question's subject and hold the most of what it asks
+about are each read as its answer (steps 1-5), and it votes when they agree on one phrase. Also a
+function of its own documents and the public question only.
 """
 
 from __future__ import annotations
@@ -195,6 +200,32 @@ def phrase_at(r: Reading, at: int) -> tuple[int, int]:
         else:
             break
     return start, end
+
+
+CLAUSE_BREAK = re.compile(r"\s+[\u2014|]\s+|:\s+")  # "Ref LOG-4068 | Policy: <fact>": a header is no fact
+
+
+def extract_key(documents: Sequence[str], question: str) -> str | None:
+    """A member's vote read from its ``documents`` without a model: their clauses (sentences split
+    at a header's "|", "—" or ": ") that name the question's subject (``subject_words``, when it
+    names one) and hold the most of what it asks about (``property_words``, matched as in the
+    relevance check; at least one, and all but one of them), each read as the member's answer
+    (``answer_key``); the key when they agree on one, else None (abstain: a document that states
+    two values for what is asked answers nothing). Every clause is read (no early exit)."""
+    asked, subject = property_words(question), set(subject_words(question))
+    best, keys = max(1, len(asked) - 1), []
+    for document in documents:
+        for sentence in SENTENCE.split(document):
+            for clause in CLAUSE_BREAK.split(sentence):
+                held = set(words(clause))
+                matched = sum(_related(held, [a]) for a in asked)
+                key = answer_key(clause, (document,), question)
+                if key is None or matched < best or (subject and not subject & held):
+                    continue
+                keys = [] if matched > best else keys
+                best = matched
+                keys.append(key)
+    return keys[0] if len(set(keys)) == 1 else None
 
 
 def _in_sentence(phrase: list[str], sentences: list[list[str]]) -> bool:

@@ -25,7 +25,10 @@ Under ``mechanism: answer`` (``_AnswerQuery``) every member decodes exactly ``an
 tokens in one batch (EOS ignored: no member's answer length shows in the reply's time), one
 partition selection releases the agreed answer phrase, and the reply states it and stops, or says
 that the documents gave no answer it can share (then, with ``on_empty: public``, the public
-model's answer to the conversation alone, marked as general knowledge).
+model's answer to the conversation alone, marked as general knowledge). With ``answer_member:
+extract`` no member decodes: each reads its own documents by rule (``extract_key``, every clause
+read, off the event loop), so the reply's time depends on the collection's size, not on which
+document answers.
 Budget: a query reserves its worst case in the persistent ledger before any member is computed
 (HTTP 429 with the remaining budget when it does not fit) and settles what it spent when it ends
 (the worst case if it fails).
@@ -49,7 +52,7 @@ from dataclasses import dataclass
 import numpy as np
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from ..aggregate.answer import answer_key
+from ..aggregate.answer import answer_key, extract_key
 from ..aggregate.decode import Aggregator, TopLogprobs, generate
 from ..aggregate.documents import load_collection, member_texts
 from ..aggregate.reply import FROM_DOCUMENTS, GENERAL_KNOWLEDGE, NOT_FROM_DOCUMENTS
@@ -144,6 +147,8 @@ def check_batch_invariance(cfg: AggregatePrivacyConfig) -> None:
     from vllm import envs
     from vllm.platforms import current_platform
 
+    if cfg.mechanism == ANSWER and cfg.answer_member == "extract":
+        return  # no member decodes: nothing shares a batch with the documents
     if current_platform.is_cpu() or envs.VLLM_BATCH_INVARIANT or cfg.allow_batch_variance:
         return
     raise ConfigError(f"dp_privacy.aggregate on {current_platform.device_name}: set VLLM_BATCH_INVARIANT=1 (a "
@@ -397,6 +402,13 @@ class AggregateService:
         public = (self.cfg.answer_instruction,)
         keys = (answer_key(member_text(self.tokenizer, ids, self.stop_ids), docs, question, public)
                 for ids, docs in zip(answers, collection.member_documents, strict=True))
+        return dict(Counter(filter(None, keys)))
+
+    @staticmethod
+    def extracted_votes(collection: ServedCollection, question: str) -> dict[str, int]:
+        """Key -> how many members vote for it under ``answer_member: extract``: each member's
+        own documents read against the public question (``aggregate.answer.extract_key``)."""
+        keys = (extract_key(docs, question) for docs in collection.member_documents)
         return dict(Counter(filter(None, keys)))
 
     # ------------------------------------------------------------------ requests
@@ -702,9 +714,12 @@ class _AnswerQuery(_Query):
     async def _pieces(self):
         service, cfg = self.service, self.service.cfg
         collection = service.collections[self.name]
-        answers = await service.source.member_answers(collection, self.members, cfg.answer_tokens)
-        # the keys' CPU time depends on the answers: off the event loop, other clients go on
-        votes = await asyncio.to_thread(service.votes, answers, collection, self.question)
+        # the keys' CPU time depends on the answers (or the documents): off the event loop
+        if cfg.answer_member == "extract":
+            votes = await asyncio.to_thread(service.extracted_votes, collection, self.question)
+        else:
+            answers = await service.source.member_answers(collection, self.members, cfg.answer_tokens)
+            votes = await asyncio.to_thread(service.votes, answers, collection, self.question)
         released = self.params.release.release(votes)
         self.fact = max(released, key=lambda k: (released[k], k)) if released else None
         self.count = released.get(self.fact)  # its noisy count (part of the release)

@@ -36,7 +36,8 @@ Rows (``ROWS``, one entry per way of serving; a new mechanism is one more entry)
   with the recommended settings), each scenario's documents one collection, eps per query; the
   request is the user turn alone (the public sequence; members get their documents before it);
   ``aggregate_answer``: the same collections under ``mechanism: answer`` (one DP release per
-  answer; eps = 1e7 is its noise-free row: threshold 2, no noise).
+  answer; eps = 1e7 is its noise-free row: threshold 2, no noise); ``aggregate_extract``: the
+  same with ``answer_member: extract`` (no model runs for a member: each reads its document).
 
 ``--speed`` measures time per output token instead (``speed``).
 

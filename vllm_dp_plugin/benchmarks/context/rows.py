@@ -91,7 +91,8 @@ def aggregate_server(mechanism: str, **settings: object) -> Callable[[Bench, flo
 
     def server(bench: Bench, eps: float | None, scenarios: Sequence[dict]) -> Server:
         assert eps is not None
-        name = f"aggregate-{mechanism}-eps{eps:g}-{scenarios[0]['id']}"
+        variant = "".join(f"-{k}-{v}" for k, v in sorted(settings.items()))
+        name = f"aggregate-{mechanism}{variant}-eps{eps:g}-{scenarios[0]['id']}"
         section = {
             "key_file": str(bench.work / "noise.key"),
             "aggregate": {"mechanism": mechanism, "epsilon": eps, "delta": DELTA,
@@ -207,6 +208,9 @@ ROWS: dict[str, Row] = {
     "aggregate_answer": Row("DP aggregation once per answer: one member per document answers, one DP partition "
                             "selection releases the fact enough members agree on, the model answers with it (unit: "
                             "one document, eps per query)", True, aggregate_server("answer"), aggregate_request),
+    "aggregate_extract": Row("as aggregate_answer, but no model runs for a member: each reads its document by rule "
+                             "(answer_member: extract) and votes for the phrase of its clause that answers",
+                             True, aggregate_server("answer", answer_member="extract"), aggregate_request),
     "fact_sheet": Row("DP fact sheet: the facts many documents state, released once per collection (DP set union, "
                       "unit: one document, eps per collection), served as a plain context; queries spend nothing",
                       True, fact_sheet_server, fact_sheet_request, sheets=True),
