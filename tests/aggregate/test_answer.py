@@ -162,3 +162,15 @@ def test_a_reading_member_depends_on_its_own_documents_only():
     question = "On which level do visitors park at Vesgresstead?"
     assert extract_key([READ["letter"], READ["policy"]], question) == "level 6"
     assert extract_key([READ["letter"], READ["both"]], question) is None  # its own two documents disagree
+
+
+def test_a_number_of_the_question_names_no_property():
+    """"What is 9 + 8?" asks nothing of "The Krommorkdale morning shift starts at 8 am" (a public
+    question released "krommorkdale starts" noise-free before numbers were left out)."""
+    doc = "Site guide: The Krommorkdale morning shift starts at 8 am."
+    assert property_words("What is 9 + 8?") == []
+    assert answer_key("8 am", [doc], "What is 9 + 8?") is None
+    from vllm_dp_plugin.aggregate.answer import extract_key
+
+    assert extract_key([doc], "What is 9 + 8?") is None
+    assert extract_key([doc], "When does the morning shift start at Krommorkdale?") == "8 am"

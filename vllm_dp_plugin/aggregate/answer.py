@@ -76,10 +76,11 @@ PREFIX = 4  # letters two words share to count as the same property ("employs" ~
 
 def property_words(question: str) -> list[str]:
     """What the question asks about: its words that are not capitalised (names are its subject;
-    the first word is always lower-cased) and not very common."""
+    the first word is always lower-cased), not very common and not numbers (a number alone names
+    no property: "What is 9 + 8?" asks nothing of a sentence that says "8 am")."""
     tokens = WORD.findall(unicodedata.normalize("NFKC", question))
     return [t.casefold() for i, t in enumerate(tokens) if (i == 0 or not t[:1].isupper())
-            and zipf(t.casefold()) < STOP_ZIPF]
+            and zipf(t.casefold()) < STOP_ZIPF and not has_digit(t)]
 
 
 def _related(sentence: set[str], asked: Sequence[str]) -> bool:
