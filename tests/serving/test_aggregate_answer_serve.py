@@ -1,9 +1,11 @@
 """``aggregate.mechanism: answer`` through `vllm-dp serve` on the real SmolLM2-135M-Instruct
 over the bundled collection (``examples/serve-smollm2-aggregate.yaml``, what `make serve` runs;
-one server, ~2 min): the inventory dates, stated by 8 of its 22 documents, are released at eps 4
-per query (count 8 against threshold 5: missed with probability ~1e-7) and start the reply; the
-alarm code, stated by one document, is never released (probability delta per query) and no
-reply carries it; each query charges its (eps, delta) to the ledger."""
+one server, ~2 min; members that read, ``answer_member: extract``): the inventory dates, stated
+by 8 of its 22 documents, 6 of them as "September 14" in a clause naming the warehouse and the
+inventory, are released at eps 4 per query (count 6 against threshold 5, noise of scale 0.25:
+missed with probability q^2 / (1 + q) = 3.3e-4, q = e^-4) and are the reply; the alarm code,
+stated by one document, is never released (probability delta per query) and no reply carries it;
+each query charges its (eps, delta) to the ledger."""
 
 import json
 from pathlib import Path
@@ -33,6 +35,7 @@ def test_the_bundled_collection_answers_its_shared_fact_and_never_the_alarm_code
     section["key_file"] = str(tmp_path / "noise.key")
     section["aggregate"]["contexts"] = {"northwind": str(EXAMPLE.parent / "northwind-documents.jsonl")}
     assert section["aggregate"]["mechanism"] == "answer" and section["aggregate"]["epsilon"] == 4.0
+    assert section["aggregate"]["answer_member"] == "extract"
     config = tmp_path / "dp.json"
     config.write_text(json.dumps({"dp_privacy": section}))
     log = tmp_path / "serve.log"
