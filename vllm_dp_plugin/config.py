@@ -415,6 +415,12 @@ class AggregatePrivacyConfig:
         _check_collections(self.contexts, "aggregate.contexts")
 
     @property
+    def reads_members(self) -> bool:
+        """Whether a query's members read their documents by rule (``mechanism: answer`` with
+        ``answer_member: extract``): no member decodes, nothing private enters an engine batch."""
+        return self.mechanism == ANSWER and self.answer_member == "extract"
+
+    @property
     def cap(self) -> float:
         """The largest per-query epsilon a request may ask for."""
         return self.epsilon if self.max_epsilon is None else self.max_epsilon

@@ -564,17 +564,16 @@ def aggregate_report(cfg: AggregatePrivacyConfig, name: str, ledger: BudgetStatu
                       "worst_case": {"epsilon": params.worst_case.epsilon, "delta": params.worst_case.delta}},
         "max_queries": max_queries(cfg),
         "budget": {"epsilon": cfg.total_epsilon, "delta": cfg.total_delta},
+        "not_protected": AGGREGATE_NOT_PROTECTED + (BATCH_VARIANCE if cfg.allow_batch_variance
+                                                    and not cfg.reads_members else ""),
+        "assumes": EXTRACTED if cfg.reads_members else BATCH_INVARIANCE,
         "statement": params.statement(),
     }
-    extract = isinstance(params, AnswerParams) and cfg.answer_member == "extract"
-    report.update(not_protected=AGGREGATE_NOT_PROTECTED + (BATCH_VARIANCE if cfg.allow_batch_variance and not extract
-                                                           else ""),
-                  assumes=EXTRACTED if extract else BATCH_INVARIANCE)
     if isinstance(params, AnswerParams):
         release = params.release
         members = "one per document" if cfg.answer_members is None else f"{cfg.answer_members} by keyed hash"
         report.update(members=members, member_votes=("read from its own documents by rule, no model "
-                                                      "(answer_member: extract)") if extract else
+                                                      "(answer_member: extract)") if cfg.reads_members else
                       "the model's answer from its own documents, read against them (answer_member: model)",
                       selection={"scale": release.scale, "threshold": release.threshold,
                                                   "keys_per_document": release.l0},

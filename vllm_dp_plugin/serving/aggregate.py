@@ -147,7 +147,7 @@ def check_batch_invariance(cfg: AggregatePrivacyConfig) -> None:
     from vllm import envs
     from vllm.platforms import current_platform
 
-    if cfg.mechanism == ANSWER and cfg.answer_member == "extract":
+    if cfg.reads_members:
         return  # no member decodes: nothing shares a batch with the documents
     if current_platform.is_cpu() or envs.VLLM_BATCH_INVARIANT or cfg.allow_batch_variance:
         return
@@ -715,7 +715,7 @@ class _AnswerQuery(_Query):
         service, cfg = self.service, self.service.cfg
         collection = service.collections[self.name]
         # the keys' CPU time depends on the answers (or the documents): off the event loop
-        if cfg.answer_member == "extract":
+        if cfg.reads_members:
             votes = await asyncio.to_thread(service.extracted_votes, collection, self.question)
         else:
             answers = await service.source.member_answers(collection, self.members, cfg.answer_tokens)
