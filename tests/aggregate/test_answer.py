@@ -4,7 +4,7 @@ model made up, and another fact of the same document does not vote."""
 
 import pytest
 
-from vllm_dp_plugin.aggregate.answer import answer_key, property_words, words
+from vllm_dp_plugin.aggregate.answer import answer_key, extract_key, property_words, words
 
 pytest.importorskip("wordfreq")
 
@@ -28,7 +28,7 @@ def key(answer: str, doc: str, question: str = RIVER) -> str | None:
 def test_paraphrased_documents_agree_on_one_key():
     answers = {"memo": "The Skeltmind River.", "email": "Skeltmind River runs beside the main office",
                "notes": "The main office is next to the Skeltmind River"}
-    assert {key(a, d) for d, a in answers.items()} == {"skeltmind"}
+    assert {key(a, d) for d, a in answers.items()} == {"skeltmind river"}
 
 
 def test_a_made_up_answer_abstains_the_span_check():
@@ -67,8 +67,8 @@ def test_a_date_keeps_one_number_beside_its_month_however_the_range_is_written()
         assert answer_key(answer, doc, question, [INSTRUCTION]) == "quintember 14"
 
 
-SITES = ["Site memo: the Westgate quarterly review is held in Room 12 at 8 am. The Eastgate quarterly review is "
-         "held in Room 22.",
+SITES = [("Site memo: the Westgate quarterly review is held in Room 12 at 8 am. The Eastgate quarterly review is "
+          "held in Room 22."),
          "Refunds: any refund above $500 must be approved by the regional manager.",
          "Visitors: at Westgate, visitors sign in at the west entrance."]
 
@@ -98,10 +98,18 @@ def test_the_same_property_of_another_subject_does_not_vote():
     assert site_key("Room 12", room) is None  # Westgate's, from the same sentence? no: its own sentence names Westgate
 
 
-def test_hedges_and_the_questions_own_nouns_stay_out_of_the_phrase():
+def test_hedges_and_the_questions_own_words_stay_out_of_the_phrase_but_the_noun_it_asks_for_closes_it():
+    """"Which river ...?" asks for a river: "river" closes the phrase ("skeltmind river"); other
+    words of the question ("employees", "flows past") and hedges stay out."""
     staff = "How many employees does Pekrok Logistics have?"
     assert key("Exactly 2718 employees", "notes", staff) == "2718"
-    assert key("The Skeltmind River", "memo") == "skeltmind"  # "river" is the question's word
+    assert key("The Skeltmind River", "memo") == "skeltmind river"
+    assert key("The Skeltmind River flows past the main office", "memo") == "skeltmind river"
+    entrance = ["Ticket OPS-4280 — Suppliers deliver to the west entrance of Tralstosport."]
+    assert answer_key("the west entrance", entrance, "Which entrance do deliveries use at Tralstosport?") == \
+        "west entrance"
+    date = ["Plan ahead: On July 11 Lemdoulstead closes for inventory."]  # the subject's name is no kind
+    assert answer_key(date[0], date, "When is Lemdoulstead closed for inventory?") == "july 11"
 
 
 def test_a_common_number_is_the_value_and_its_label_joins_it():
@@ -162,6 +170,24 @@ def test_a_reading_member_depends_on_its_own_documents_only():
     question = "On which level do visitors park at Vesgresstead?"
     assert extract_key([READ["letter"], READ["policy"]], question) == "level 6"
     assert extract_key([READ["letter"], READ["both"]], question) is None  # its own two documents disagree
+
+
+def test_a_number_word_is_a_value_and_its_unit_joins_it():
+    """"two" and "years" are very common words, but "lasts two years" answers "How long ...?": the
+    number word votes as a number does, the unit joins it, the verb before it does not."""
+    doc = "Warranty card: The warranty on the Grirlou X lasts two years."
+    assert extract_key([doc], "How long is the warranty on the Grirlou X?") == "two years"
+
+
+def test_a_question_naming_no_subject_needs_every_word_that_names_it():
+    """"the support team" is lower-case: "support" and "team" are common words, yet another team's
+    budget code or meeting day must not answer it (it did: another team's code was released)."""
+    doc = ("Board minutes: Budget code LG-5566 belongs to the training team. The support team meets "
+           "every Thursday. The training team meets every Friday.")
+    assert extract_key([doc], "What is the budget code of the support team?") is None
+    assert extract_key([doc], "What is the budget code of the training team?") == "lg 5566"
+    assert extract_key([doc], "On which day does the support team meet?") == "thursday"
+    assert extract_key([doc], "On which day does the training team meet?") == "friday"
 
 
 def test_a_number_of_the_question_names_no_property():

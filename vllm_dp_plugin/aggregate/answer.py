@@ -23,26 +23,32 @@ instruction), so it adds no sensitivity beyond the member's own documents:
 5. the key is the **answer phrase** around the answer's rarest such word (lowest public
    frequency, numbers counted rarer: ``rarity``; ties: longer, then alphabetical): its neighbours in the answer join while the
    phrase stays a run of words of one relevant sentence of the documents (at most
-   ``MAX_PHRASE`` words) and each is a voting word ("regional manager", "drakbre skomthu",
-   "west entrance"), a number, a unit after a number ("8 am"), or a word of the question as
-   written (or capitalised) just before a number ("level 6", "Room 12": a label, where
-   "employs 2,718" is not); numbers vote however common ("6") and count as rare; hedges ("exactly 2718") and words the question states
-   elsewhere ("the Skeltmind River" for "which river") stay out, and so do very common words
-   ("the"). Ordinal suffixes and thousands separators are dropped: "september 14" (of
+   ``MAX_PHRASE`` words) and each is a voting word ("regional manager", "drakbre skomthu"), a
+   number, a unit after a number ("8 am", "two years"), a capitalised or question word just
+   before a number ("level 6", "Room 12", "July 11": a label, where "employs 2,718" and
+   "lasts two" are not), or the noun the question asks for, which closes it ("west entrance"
+   for "Which entrance ...?", "skeltmind river" for "Which river ...?": ``answer_kind``);
+   numbers and number words vote however common ("6", "two") and count as rare; after a number
+   only units, numbers and capitalised words join ("lg 5566", not "lg 5566 belongs"); hedges
+   ("exactly 2718"), the question's other words ("flows past") and very common words ("the")
+   stay out. Ordinal suffixes and thousands separators are dropped: "september 14" (of
    "September 14 to 16", "September 14-16" and "September 14th"), "2718".
    Members whose documents paraphrase one fact answer in different words but share that phrase.
    None when no word is left: the member abstains.
 
 ``extract_key`` is the member that reads instead of answering (``answer_member: extract``): no
 model; its documents' clauses that name the question's subject and hold the most of what it asks
-about are each read as its answer (steps 1-5), and it votes when they agree on one phrase. Also a
-function of its own documents and the public question only.
+about are each read as its answer (steps 1-5), and it votes when they agree on one phrase. A
+question that names no capitalised subject ("the support team") may name it in common words, so
+its clauses must hold every word of it (``SUBJECT_ZIPF``), not all but one. Also a function of its
+own documents and the public question only.
 """
 
 from __future__ import annotations
 
 import difflib
 import functools
+import itertools
 import re
 import unicodedata
 from collections.abc import Callable, Iterable, Sequence
@@ -50,6 +56,7 @@ from dataclasses import dataclass
 
 WORD = re.compile(r"[^\W_]+")
 STOP_ZIPF = 5.5  # words at least this frequent (Zipf scale: the, of, is, am, ...) never decide a vote
+SUBJECT_ZIPF = 5.8  # a question that names no subject may name it in words this common ("support team")
 RUN_ZIPF = 3.0  # rare words next to the key's rarest one join it ("Drakbre Skomthu"), filler does not
 NONE_WORDS = ("none",)  # the instruction's abstention
 
@@ -74,13 +81,13 @@ SPELLING = 0.85  # difflib ratio from which an answer's word is taken as a docum
 PREFIX = 4  # letters two words share to count as the same property ("employs" ~ "employees")
 
 
-def property_words(question: str) -> list[str]:
+def property_words(question: str, cutoff: float = STOP_ZIPF, skip: Iterable[str] = ()) -> list[str]:
     """What the question asks about: its words that are not capitalised (names are its subject;
     the first word is always lower-cased), not very common and not numbers (a number alone names
     no property: "What is 9 + 8?" asks nothing of a sentence that says "8 am")."""
     tokens = WORD.findall(unicodedata.normalize("NFKC", question))
     return [t.casefold() for i, t in enumerate(tokens) if (i == 0 or not t[:1].isupper())
-            and zipf(t.casefold()) < STOP_ZIPF and not has_digit(t)]
+            and zipf(t.casefold()) < cutoff and not has_digit(t) and t.casefold() not in skip]
 
 
 def _related(sentence: set[str], asked: Sequence[str]) -> bool:
@@ -89,7 +96,10 @@ def _related(sentence: set[str], asked: Sequence[str]) -> bool:
 
 HEDGES = frozenset(("exactly", "approximately", "about", "around", "nearly", "almost", "roughly", "some", "only",
                     "just", "over", "under", "least", "most", "more", "less", "than", "up"))  # never in a phrase
-UNITS = frozenset(("am", "pm", "percent"))  # join the number before them, however common
+UNITS = frozenset(("am", "pm", "percent", "minute", "minutes", "hour", "hours", "day", "days", "week", "weeks",
+                   "month", "months", "year", "years"))  # join the number before them, however common
+NUMBER_WORDS = frozenset(("one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven",
+                          "twelve", "fifteen", "twenty", "thirty", "forty", "fifty", "hundred"))
 MAX_PHRASE = 4  # words of a released answer phrase
 NUMBER_BONUS = 3.0  # Zipf units a number counts as rarer when choosing the phrase's core
 
@@ -99,6 +109,20 @@ def subject_words(question: str) -> list[str]:
     common ("Westgate", "Seattle"), case-folded."""
     tokens = WORD.findall(unicodedata.normalize("NFKC", question))
     return [t.casefold() for t in tokens[1:] if t[:1].isupper() and zipf(t.casefold()) < STOP_ZIPF]
+
+
+WH_DETERMINERS = ("which", "what")
+AUXILIARIES = frozenset(("is", "are", "was", "were", "be", "do", "does", "did", "can", "could", "has", "have", "had",
+                         "will", "would", "should", "may", "must"))  # never what a question asks about
+
+
+def answer_kind(question: str) -> frozenset[str]:
+    """The noun the question asks for, when it names one: the word after "which" or "what"
+    ("Which entrance ...?" -> entrance, "On which day ...?" -> day), its plural included; empty
+    for "Who approves ...?" or "What is ...?"."""
+    found = words(question)
+    return frozenset(form for wh, w in itertools.pairwise(found) if wh in WH_DETERMINERS and w not in AUXILIARIES
+                     for form in (w, w + "s"))
 
 
 @dataclass(frozen=True)
@@ -113,6 +137,7 @@ class Reading:
     restated: list[bool]
     label: list[bool]  # capitalised in the answer, or a word of the question as written
     relevant: list[list[str]]
+    kind: frozenset[str] = frozenset()  # ``answer_kind`` of the question
 
 
 def read(answer: str, documents: Sequence[str], question: str, public: Iterable[str] = ()) -> Reading:
@@ -132,21 +157,30 @@ def read(answer: str, documents: Sequence[str], question: str, public: Iterable[
     raw = WORD.findall(unicodedata.normalize("NFKC", first))
     spelled = [_spelled(t.casefold(), own) for t in raw]
     restated = [w in names or _related({w}, restating) for w in spelled]
-    voting = [w in within and (zipf(w) < STOP_ZIPF or has_digit(w)) and not r
+    voting = [w in within and (zipf(w) < STOP_ZIPF or numeric(w)) and not r
               for w, r in zip(spelled, restated, strict=True)]
     asked_as_written = set(words(question))
     labels = [t[:1].isupper() or w in asked_as_written for t, w in zip(raw, spelled, strict=True)]
-    return Reading(spelled, voting, restated, labels, relevant)
+    return Reading(spelled, voting, restated, labels, relevant, answer_kind(question))
 
 
 def has_digit(word: str) -> bool:
     return any(c.isdigit() for c in word)
 
 
+def numeric(word: str) -> bool:
+    """A word that states a quantity: it holds a digit or is a number word ("five" years)."""
+    return has_digit(word) or word in NUMBER_WORDS
+
+
+def is_number(word: str) -> bool:
+    return word.isdigit() or word in NUMBER_WORDS
+
+
 def rarity(word: str) -> float:
     """How rare a voting word is, for choosing the phrase's core (lower: rarer): its public
     frequency, numbers ``NUMBER_BONUS`` rarer (a value: "6" in "level 6", however common "6" is)."""
-    return zipf(word) - NUMBER_BONUS * has_digit(word)
+    return zipf(word) - NUMBER_BONUS * numeric(word)
 
 
 def candidate_words(answer: str, documents: Sequence[str], question: str, public: Iterable[str] = ()) -> list[str]:
@@ -187,13 +221,22 @@ def phrase_at(r: Reading, at: int) -> tuple[int, int]:
         if not 0 <= i < len(words_) or words_[i] in HEDGES:
             return False
         word, before = words_[i], i < start
-        number_next = before and words_[start].isdigit()
-        after_number = not before and words_[end - 1].isdigit()
-        return (r.voting[i] or word.isdigit() or (after_number and word in UNITS)
-                or (number_next and r.restated[i] and r.label[i] and zipf(word) < STOP_ZIPF))
+        number_next = before and is_number(words_[start])
+        after_number = not before and is_number(words_[end - 1])
+        if number_next:  # "Room 12", "September 14", not "lasts two"
+            return r.label[i] and (r.voting[i] or (r.restated[i] and zipf(word) < STOP_ZIPF)) or word.isdigit()
+        if after_number:  # "8 am", "two years", not "5566 belongs"
+            return word in UNITS or word.isdigit() or (r.label[i] and r.voting[i])
+        return r.voting[i] or word.isdigit()
+
+    def names_it(i: int) -> bool:  # the noun the question asks for closes the phrase: "west entrance"
+        return 0 <= i < len(words_) and words_[i] in r.kind
 
     start, end = at, at + 1
     while end - start < MAX_PHRASE:
+        if names_it(end) and _in_sentence(words_[start:end + 1], r.relevant):
+            end += 1
+            break
         if joins(end, start, end) and _in_sentence(words_[start:end + 1], r.relevant):
             end += 1
         elif joins(start - 1, start, end) and _in_sentence(words_[start - 1:end], r.relevant):
@@ -210,11 +253,14 @@ def extract_key(documents: Sequence[str], question: str) -> str | None:
     """A member's vote read from its ``documents`` without a model: their clauses (sentences split
     at a header's "|", "—" or ": ") that name the question's subject (``subject_words``, when it
     names one) and hold the most of what it asks about (``property_words``, matched as in the
-    relevance check; at least one, and all but one of them), each read as the member's answer
+    relevance check; at least one, and all but one of them; with no subject named, every word of
+    the question less common than ``SUBJECT_ZIPF`` but the kind it asks for), each read as the member's answer
     (``answer_key``); the key when they agree on one, else None (abstain: a document that states
     two values for what is asked answers nothing). Every clause is read (no early exit)."""
     asked, subject = property_words(question), set(subject_words(question))
-    best, keys = max(1, len(asked) - 1), []
+    if not subject:  # "the support team": a common word may name whom it is about; every one must be there
+        asked = property_words(question, SUBJECT_ZIPF, skip=answer_kind(question) | AUXILIARIES)
+    best, keys = (max(1, len(asked) - 1) if subject else len(asked)), []
     for document in documents:
         for sentence in SENTENCE.split(document):
             for clause in CLAUSE_BREAK.split(sentence):
