@@ -320,6 +320,16 @@ class AggregatePrivacyConfig:
     decoding (``answer_tokens``, ``answer_instruction`` and ``answer_vocabulary`` then only bound
     the reply's length, or do not apply).
 
+    ``per_document_epsilon`` / ``per_document_delta`` (``mechanism: answer``, one member per
+    document): budgets per document instead of per collection. Each document has that lifetime
+    cap; a query charges its (epsilon, delta) only to the documents whose member votes, and a
+    document whose cap would be exceeded stops taking part (``privacy.document_ledger``: an
+    individual filter per document); ``total_epsilon``/``total_delta`` then do not apply and no
+    query gets 429 for the collection's budget; a client's ``share`` applies to each document's cap.
+    ``reuse_answers`` (default on, ``mechanism: answer``): a question asked again of the same
+    collection at the same epsilon gets the earlier release, charged to nobody
+    (``privacy.answer_releases``).
+
     The members of a query (and the public sequence) run in one engine batch; the guarantee
     assumes a sequence's outputs do not depend on what else is in the batch (else one document
     could move other members' votes). The CPU engine (float32) is measured to be; elsewhere the
@@ -357,9 +367,14 @@ class AggregatePrivacyConfig:
     answer_member: str = "model"
     allow_batch_variance: bool = False
     operator_key_sha256: str | None = None
+    per_document_epsilon: float | None = None
+    per_document_delta: float | None = None
+    reuse_answers: bool = True
 
     def __post_init__(self) -> None:
         _choice(self.mechanism, (*AGGREGATION_MECHANISMS, ANSWER), "aggregate.mechanism")
+        if not isinstance(self.reuse_answers, bool):
+            raise ConfigError(f"aggregate.reuse_answers must be true or false, got {self.reuse_answers!r}")
         if not isinstance(self.allow_batch_variance, bool):
             raise ConfigError(f"aggregate.allow_batch_variance must be true or false, got {self.allow_batch_variance!r}")
         _choice(self.on_empty, ON_EMPTY, "aggregate.on_empty")
@@ -413,6 +428,32 @@ class AggregatePrivacyConfig:
         if not isinstance(self.allow_foreign_ledger, bool):
             raise ConfigError(f"aggregate.allow_foreign_ledger must be true or false, got {self.allow_foreign_ledger!r}")
         _check_collections(self.contexts, "aggregate.contexts")
+        self._check_per_document()
+
+    def _check_per_document(self) -> None:
+        if self.per_document_epsilon is None:
+            if self.per_document_delta is not None:
+                raise ConfigError("aggregate.per_document_delta is set without aggregate.per_document_epsilon")
+            return
+        if self.mechanism != ANSWER or self.answer_members is not None:
+            raise ConfigError("aggregate.per_document_epsilon needs mechanism: answer with one member per document "
+                              "(aggregate.answer_members unset): a document is charged when its own member votes")
+        _check_field(self, "per_document_epsilon", check_epsilon, "aggregate.per_document_epsilon")
+        if self.per_document_delta is None:
+            object.__setattr__(self, "per_document_delta", self.total_delta)
+        _check_field(self, "per_document_delta", check_delta, "aggregate.per_document_delta")
+        if self.cap > self.per_document_epsilon:
+            raise ConfigError(f"aggregate.per_document_epsilon={self.per_document_epsilon:g} cannot pay for one "
+                              f"query of epsilon {self.cap:g}")
+        if self.delta > self.per_document_delta:
+            raise ConfigError(f"aggregate.per_document_delta={self.per_document_delta:g} is below one query's "
+                              f"delta {self.delta:g}")
+
+    @property
+    def per_document(self) -> bool:
+        """Whether budgets are per document (``per_document_epsilon``): a query charges only the
+        documents whose member votes, each up to its cap; the collection has no total."""
+        return self.per_document_epsilon is not None
 
     @property
     def reads_members(self) -> bool:

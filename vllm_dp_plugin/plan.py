@@ -564,8 +564,10 @@ def aggregate_report(cfg: AggregatePrivacyConfig, name: str, ledger: BudgetStatu
                       "worst_case": {"epsilon": params.worst_case.epsilon, "delta": params.worst_case.delta}},
         "max_queries": max_queries(cfg),
         "budget": {"epsilon": cfg.total_epsilon, "delta": cfg.total_delta},
+        "reuse": REUSE if cfg.mechanism == ANSWER and cfg.reuse_answers else "off",
         "not_protected": AGGREGATE_NOT_PROTECTED + (BATCH_VARIANCE if cfg.allow_batch_variance
-                                                    and not cfg.reads_members else ""),
+                                                    and not cfg.reads_members else "")
+        + (REUSE_SEEN if cfg.mechanism == ANSWER and cfg.reuse_answers else ""),
         "assumes": EXTRACTED if cfg.reads_members else BATCH_INVARIANCE,
         "statement": params.statement(),
     }
@@ -585,6 +587,17 @@ def aggregate_report(cfg: AggregatePrivacyConfig, name: str, ledger: BudgetStatu
                       max_private_tokens=params.max_private_tokens,
                       candidates="the whole vocabulary" if params.candidates is None else params.candidates,
                       composition="per query: RDP (zCDP events) or basic, whichever is smaller; over queries: basic")
+    if cfg.per_document:  # no collection total; what documents spent is private: no ledger
+        report.update(unit=AGGREGATION_UNIT.removesuffix(", per query") + PER_DOCUMENT_SCOPE,
+                      budget={"per_document": {"epsilon": cfg.per_document_epsilon,
+                                               "delta": cfg.per_document_delta}},
+                      max_queries=None, max_answers_per_document=answers_per_document(cfg),
+                      composition=PER_DOCUMENT_COMPOSITION)
+        if cfg.clients:
+            report["clients"] = {c.name: {"share": c.share, "budget": {"per_document": {
+                "epsilon": cfg.per_document_epsilon * c.share, "delta": cfg.per_document_delta * c.share}}}
+                for c in cfg.clients.values()}
+        return report
     if cfg.clients:
         report["clients"] = {
             c.name: {"share": c.share, "budget": {"epsilon": cfg.total_epsilon * c.share,
@@ -595,6 +608,25 @@ def aggregate_report(cfg: AggregatePrivacyConfig, name: str, ledger: BudgetStatu
     if ledger is not None:
         report["ledger"] = ledger.to_json()
     return report
+
+
+PER_DOCUMENT_SCOPE = ", over the deployment's lifetime: each document within its own cap, all clients together"
+PER_DOCUMENT_COMPOSITION = (
+    "per query: one discrete-Laplace partition selection, charged only to the documents whose member votes; "
+    "per document over its lifetime: an individual privacy filter (basic composition under fully adaptive "
+    "choice): a document whose cap a query would exceed takes no part in it, so no document ever spends "
+    "more than its cap, against all clients together")
+REUSE_SEEN = "; whether a question was asked before (a reused release answers sooner): other clients' questions"
+REUSE = ("a question asked again of the same collection version at the same epsilon gets the earlier release, "
+         "charged to nobody (post-processing)")
+
+
+def answers_per_document(cfg: AggregatePrivacyConfig) -> int:
+    """The most answers one document takes part in under its cap (each charges at least
+    ``min_epsilon`` and ``delta``)."""
+    by_eps = math.floor(cfg.per_document_epsilon / cfg.min_epsilon * (1 + 2 * REL_TOLERANCE))
+    by_delta = math.floor(cfg.per_document_delta / cfg.delta * (1 + 2 * REL_TOLERANCE)) if cfg.delta else by_eps
+    return min(by_eps, by_delta)
 
 
 def max_queries(cfg: AggregatePrivacyConfig) -> int:

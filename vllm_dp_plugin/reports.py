@@ -232,14 +232,21 @@ def aggregate_text(report: dict) -> str:
         f"  unit of privacy: {report['unit']}",
         (f"  per query: at most {_budget(per['worst_case'])} at the default eps {per['epsilon']:g} "
          f"(requests may ask for {per['min_epsilon']:g} to {per['max_epsilon']:g}); every query is charged at "
-         f"least eps {per['min_epsilon']:g}: the collection's budget pays for at most {report['max_queries']} queries"),
+         f"least eps {per['min_epsilon']:g}: " + (
+             f"the collection's budget pays for at most {report['max_queries']} queries" if report["max_queries"]
+             else f"a document takes part in at most {report['max_answers_per_document']} answers")),
         how,
         f"  composition: {report['composition']}",
-        f"  budget of the collection: {_budget(report['budget'])}",
+        ("  budget of each document (its lifetime cap): " + _budget(report["budget"]["per_document"])
+         if "per_document" in report["budget"] else f"  budget of the collection: {_budget(report['budget'])}"),
+        f"  released answers: {report['reuse']}",
         f"  not protected: {report['not_protected']}",
     ]
     for name, client in report.get("clients", {}).items():
-        line = f"  client {name!r}: share {client['share']:g} of the budget, {_budget(client['budget'])}"
+        budget = client["budget"]
+        line = (f"  client {name!r}: share {client['share']:g} of "
+                + (f"each document's cap, {_budget(budget['per_document'])}" if "per_document" in budget
+                   else f"the budget, {_budget(budget)}"))
         if "ledger" in client:
             line += f"; spent {_spent(client['ledger'])}"
         lines.append(line)

@@ -115,9 +115,10 @@ def test_answer_vocabulary_document_restricts_each_member_to_its_own_documents_t
 
 def test_a_secret_one_document_states_is_not_released_and_the_fallback_says_so(tmp_path, tokenizer):  # noqa: F811
     """Count 1 against threshold 5 (eps 4, delta 1e-6): released with probability delta; 20
-    queries. The reply first says the documents gave no answer it can share, then marks the
-    public model's answer (the conversation alone) as general knowledge, streamed alike."""
-    svc, engine = answer_service(tmp_path, tokenizer)
+    queries (each a fresh release: ``reuse_answers`` off). The reply first says the documents gave
+    no answer it can share, then marks the public model's answer (the conversation alone) as
+    general knowledge, streamed alike."""
+    svc, engine = answer_service(tmp_path, tokenizer, reuse_answers=False)
     for _ in range(20):
         status, body = ask(svc, ALARM)
         assert status == 200 and not body["dp_receipt"]["released"] and body["dp_receipt"]["fact"] is None
@@ -197,7 +198,8 @@ def test_the_members_of_one_query_and_of_concurrent_queries_are_in_the_engine_to
     query's members (the release needs them all)."""
     engine = answer_engine(tokenizer, CountingEngine)
     engine.hold = len(DOCS)
-    svc = service(tmp_path, tokenizer, DOCS, engine, mechanism="answer", max_tokens=16, answer_tokens=8)
+    svc = service(tmp_path, tokenizer, DOCS, engine, mechanism="answer", max_tokens=16, answer_tokens=8,
+                  reuse_answers=False)
     ask(svc, INVENTORY)
     assert engine.most == len(DOCS) and engine.now == 0
 
@@ -215,21 +217,23 @@ def strip_query_ids(body: dict) -> dict:
     return {k: v for k, v in body.items() if k not in ("id", "created")}
 
 
-@pytest.mark.parametrize("member", ["model", "extract"])
+@pytest.mark.parametrize(("member", "budgets"), [("model", {}), ("extract", {}),
+                                                ("extract", {"per_document_epsilon": 40.0})])
 @pytest.mark.parametrize("removed", ["secret", "other", "d3"])
 def test_neighbouring_collections_give_the_same_bytes_but_for_the_dp_outputs(tmp_path, tokenizer, caplog, removed,  # noqa: F811
-                                                                             member):
+                                                                             member, budgets):
     """Collections one document apart (the secret's, a document stating nothing, one stating the
     shared fact): a too-long prompt, an engine failure and the secret's question answer with the
     same status, body (but for the query's id and time) and log lines; nothing is released about
     the secret in either (probability delta per query). For both member kinds (``answer_member``:
-    with ``extract`` the engine serves only the public fallback)."""
+    with ``extract`` the engine serves only the public fallback), and with per-document budgets
+    (whose receipt states no remaining budget: what documents spent is private)."""
     import logging
 
     def neighbour(docs, **kw):
         engine = answer_engine(tokenizer, **kw)
         return service(tmp_path, tokenizer, docs, engine, mechanism="answer", max_tokens=16, answer_tokens=8,
-                       answer_member=member)
+                       answer_member=member, **budgets)
 
     pair = (DOCS, [d for d in DOCS if d[0] != removed])
     long_question = "inventory " * (MAX_MODEL_LEN // 2)
@@ -259,7 +263,7 @@ def test_the_released_count_carries_discrete_laplace_noise_of_scale_one_over_eps
     docs = [(f"d{i}", f"Memo {i}: the Harlow depot closes for inventory on 14 Quintember.") for i in range(30)]
     engine = answer_engine(tokenizer)
     svc = service(tmp_path, tokenizer, docs, engine, mechanism="answer", max_tokens=4, answer_tokens=8,
-                  epsilon=1.0, total_epsilon=1000.0)
+                  epsilon=1.0, total_epsilon=1000.0, reuse_answers=False)
     counts = [ask(svc, INVENTORY)[1]["dp_receipt"]["noisy_count"] for _ in range(100)]
     q = math.exp(-1.0)
     var = 2 * q / (1 - q) ** 2

@@ -98,7 +98,7 @@ def test_one_document_moving_two_counts_stays_within_the_receipts_epsilon(tmp_pa
                             encode=functools.partial(tokenizer.encode, add_special_tokens=False))
         svc = service(tmp_path, tokenizer, docs, engine, mechanism="answer", answer_members=MEMBERS,
                       epsilon=EPSILON, total_epsilon=10 * N, total_delta=0.5, max_tokens=4, answer_tokens=8,
-                      max_member_tokens=MAX_MODEL_LEN // 2)
+                      max_member_tokens=MAX_MODEL_LEN // 2, reuse_answers=False)
         got = receipts(svc, N)
         seen[name] = sum(r["fact"] == ALPHA and r["noisy_count"] == VOTES for r in got)
         receipt_eps = max(r["epsilon"] for r in got)

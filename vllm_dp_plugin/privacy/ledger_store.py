@@ -2,7 +2,8 @@
 that several API servers or machines share (``ledger: postgresql://...``).
 
 One schema in both (``SCHEMA``): the query ledger's reservations and its running totals per
-(key, context, client), the release ledger's releases, and per (kind, key) how many entries each
+(key, context, client), the per-document ledger's spending per (key, context, client, document)
+and its reservations, the answers released for reuse, the release ledger's releases, and per (kind, key) how many entries each
 noise key wrote (a lost key shows as entries under another key without a scan). Every call is
 one transaction that takes the write lock first (SQLite: ``BEGIN IMMEDIATE``; PostgreSQL: the
 rows it reads ``FOR UPDATE``), so processes sharing a store never both grant the last of a budget.
@@ -54,6 +55,20 @@ SCHEMA = (
         epsilon_hi DOUBLE PRECISION NOT NULL, epsilon_lo DOUBLE PRECISION NOT NULL,
         delta_hi DOUBLE PRECISION NOT NULL, delta_lo DOUBLE PRECISION NOT NULL,
         queries BIGINT NOT NULL, PRIMARY KEY (key, context, client))""",
+    # per-document budgets (document_ledger): each document's spending (client '') and each client's on it
+    """CREATE TABLE IF NOT EXISTS document_spend (
+        key TEXT NOT NULL, context TEXT NOT NULL, client TEXT NOT NULL, document TEXT NOT NULL,
+        epsilon DOUBLE PRECISION NOT NULL, delta DOUBLE PRECISION NOT NULL,
+        PRIMARY KEY (key, context, client, document))""",
+    """CREATE TABLE IF NOT EXISTS document_reservations (
+        id TEXT PRIMARY KEY, key TEXT NOT NULL, context TEXT NOT NULL, client TEXT NOT NULL,
+        epsilon DOUBLE PRECISION NOT NULL, delta DOUBLE PRECISION NOT NULL, active TEXT NOT NULL,
+        reserved_at DOUBLE PRECISION NOT NULL, settled_at DOUBLE PRECISION)""",
+    # released answers of mechanism answer, reused for the same question (post-processing)
+    """CREATE TABLE IF NOT EXISTS answer_releases (
+        key TEXT NOT NULL, question TEXT NOT NULL, fact TEXT, noisy_count DOUBLE PRECISION,
+        epsilon DOUBLE PRECISION NOT NULL, delta DOUBLE PRECISION NOT NULL, time DOUBLE PRECISION NOT NULL,
+        PRIMARY KEY (key, question))""",
     """CREATE TABLE IF NOT EXISTS releases (
         key TEXT NOT NULL, subject TEXT NOT NULL, release TEXT NOT NULL,
         epsilon DOUBLE PRECISION NOT NULL, delta DOUBLE PRECISION NOT NULL, unit TEXT NOT NULL,
@@ -240,6 +255,7 @@ class PostgresStore(LedgerStore):
 
 SCHEMA_LOCK = 0x7670_6470  # advisory lock ids of our own ("vpdp" + n)
 RELEASE_LOCK = SCHEMA_LOCK + 1
+DOCUMENT_LOCK = SCHEMA_LOCK + 2
 
 
 def foreign_entries(tx: Transaction, kind: str, key: str) -> int:

@@ -60,6 +60,8 @@ from ..config import AggregateClient, AggregatePrivacyConfig, ConfigError
 from ..plan import aggregation_params
 from ..privacy.accountant import Budget
 from ..privacy.aggregation import ANSWER, UNIT
+from ..privacy.answer_releases import AnswerReleases, ReleasedAnswer
+from ..privacy.document_ledger import DocumentLedger
 from ..privacy.keyed_noise import ForeignEntries, NoiseKey
 from ..privacy.ledger_migration import open_ledger
 from ..privacy.ledger_store import LedgerStore, LedgerUnavailable
@@ -79,6 +81,8 @@ ANSWER_SYSTEM = "Document: {documents}\n\n{instruction}"
 OPTION_EPSILON = "dp_epsilon"
 OPTIONS = ("dp_context", OPTION_EPSILON)
 RECEIPT_HEADER = "x-dp-receipt"
+PER_DOCUMENT_CHARGE = ("epsilon and delta to each document whose member voted, within its own lifetime cap "
+                       "(aggregate.per_document_epsilon); how many did is not stated")
 RECEIPT_FIELD = "dp_receipt"
 # request fields this mode cannot honour (400 naming the field): they would expose the members'
 # aggregate before noise, or ask for several samples or forced tokens
@@ -105,6 +109,10 @@ class ServedCollection:
     member_documents: tuple[tuple[str, ...], ...] = ()  # SECRET
     # mechanism answer with answer_vocabulary document: the tokens each member may decode (None: any)
     member_vocabularies: tuple[frozenset[int] | None, ...] = ()  # SECRET
+    # mechanism answer, one member per document: each member's document id (the per-document
+    # ledger's row) and a keyed hash of every document (released answers are reused within it)
+    member_ids: tuple[str, ...] = ()
+    version: str = ""  # SECRET: enters only keyed labels
 
 
 def cut(tokenizer, fact: str, limit: int) -> str:
@@ -206,7 +214,10 @@ def load_collections(cfg: AggregatePrivacyConfig, tokenizer, key: NoiseKey, boun
         restricted = cfg.mechanism == ANSWER and cfg.answer_vocabulary == "document"
         vocabularies = tuple(document_vocabulary(tokenizer, docs, stop_ids) if restricted and docs else None
                              for docs in documents)
-        out.append(ServedCollection(name, prefixes, documents, vocabularies))
+        ids = tuple(part[0].id for part in parts) if cfg.mechanism == ANSWER and cfg.answer_members is None else ()
+        version = key.mac("aggregate/version", json.dumps(sorted((d.id, d.text) for d in collection.documents),
+                                                          ensure_ascii=False)).hex()
+        out.append(ServedCollection(name, prefixes, documents, vocabularies, ids, version))
     return tuple(out)
 
 
@@ -369,6 +380,24 @@ class AggregateService:
         self.source = EngineSource(engine_client, choices, 1 if cfg.mechanism == "vote" else choices,
                                    key.mac("aggregate/cache-salt", "members").hex())
         self.statements = SharedStatement(cfg, self.ledger)
+        store = self.ledger.store
+        self.documents = DocumentLedger(key, store) if cfg.per_document else None
+        self.document_labels = {name: self.documents.labels(name, c.member_ids) for name, c in
+                                self.collections.items()} if self.documents else {}
+        self.releases = AnswerReleases(key, store) if cfg.mechanism == ANSWER and cfg.reuse_answers else None
+        self.release_settings = json.dumps([cfg.answer_member, cfg.answer_instruction, cfg.answer_tokens,
+                                            cfg.answer_vocabulary, cfg.delta])
+
+    @property
+    def document_cap(self) -> Budget:
+        return Budget(self.cfg.per_document_epsilon, self.cfg.per_document_delta)
+
+    def _reuse_label(self, collection: ServedCollection, eps: float, question: str, public: list[int]) -> str:
+        """The keyed label under which this query's release is kept for reuse: the collection's
+        version, the settings, epsilon and what the members see of the request (the question
+        for members that read by rule; the whole rendered request for members that answer)."""
+        seen = question if self.cfg.reads_members else json.dumps(public)
+        return self.releases.label(collection.name, collection.version, self.release_settings, eps, seen)
 
     def statement(self, shown: tuple[str, ...] | None = None) -> dict:
         """``/v1/dp/budget``'s statement (``reports.aggregate_statement``, which ``vllm-dp account``
@@ -396,20 +425,19 @@ class AggregateService:
                                     "statement")
         return (client.name,)
 
-    def votes(self, answers: list[list[int]], collection: ServedCollection, question: str) -> dict[str, int]:
-        """Key -> how many members vote for it: each member's answer (``member_text``) read
-        against its own documents and the public question (``aggregate.answer``)."""
+    def member_keys(self, answers: list[list[int]], collection: ServedCollection, question: str) -> list[str | None]:
+        """Each member's vote (None: it abstains): its answer (``member_text``) read against its
+        own documents and the public question (``aggregate.answer``)."""
         public = (self.cfg.answer_instruction,)
-        keys = (answer_key(member_text(self.tokenizer, ids, self.stop_ids), docs, question, public)
-                for ids, docs in zip(answers, collection.member_documents, strict=True))
-        return dict(Counter(filter(None, keys)))
+        return [answer_key(member_text(self.tokenizer, ids, self.stop_ids), docs, question, public)
+                for ids, docs in zip(answers, collection.member_documents, strict=True)]
 
     @staticmethod
-    def extracted_votes(collection: ServedCollection, question: str) -> dict[str, int]:
-        """Key -> how many members vote for it under ``answer_member: extract``: each member's
-        own documents read against the public question (``aggregate.answer.extract_key``)."""
-        keys = (extract_key(docs, question) for docs in collection.member_documents)
-        return dict(Counter(filter(None, keys)))
+    def extracted_keys(collection: ServedCollection, question: str) -> list[str | None]:
+        """Each member's vote under ``answer_member: extract``: its own documents read against the
+        public question (``aggregate.answer.extract_key``); every member is read."""
+        return [extract_key(docs, question) for docs in collection.member_documents]
+
 
     # ------------------------------------------------------------------ requests
     def _options(self, body: dict) -> tuple[ServedCollection, float]:
@@ -564,9 +592,20 @@ class AggregateService:
             params = aggregation_params(self.cfg, eps)
             answer = {"question": self._question(path, body, public),
                       "sampling": _sampling(body)} if self.cfg.mechanism == ANSWER else None
+            quota = None if client is None else client.quota
             try:  # a ledger transaction waits for the disk or the database: off the event loop
-                reservation = await asyncio.to_thread(self.ledger.reserve, collection.name, self.total,
-                                                      params.worst_case, None if client is None else client.quota)
+                if answer is not None and self.releases is not None:
+                    answer["reuse"] = self._reuse_label(collection, eps, answer["question"], public)
+                    answer["reused"] = await asyncio.to_thread(self.releases.get, answer["reuse"])
+                if answer is not None and answer.get("reused") is not None:
+                    reservation = None  # post-processing of an earlier release: nothing to reserve
+                elif self.documents is not None:
+                    reservation = await asyncio.to_thread(
+                        self.documents.reserve, collection.name, self.document_labels[collection.name],
+                        params.worst_case, self.document_cap, quota)
+                else:
+                    reservation = await asyncio.to_thread(self.ledger.reserve, collection.name, self.total,
+                                                          params.worst_case, quota)
             except LedgerUnavailable as exc:  # disk full, read-only, database down: nothing reserved
                 logger.error("vllm-dp: %s", exc)
                 raise RequestError(503, LEDGER_DOWN) from None
@@ -602,20 +641,27 @@ class _Query:
 
     async def steps(self):
         """Yield each new piece of text; settles the ledger when done (worst case on failure)."""
-        settled = self.reservation.amount
+        done = False
         try:
             async for piece in self._pieces():
                 yield piece
-            settled = self.settlement()
+            done = True
         finally:
-            self.status = await asyncio.to_thread(self.service.ledger.settle, self.reservation, settled)
+            self.status = await asyncio.to_thread(self._settle, done)
+
+    def _settle(self, done: bool):
+        """Settle the reservation: what the query spent, or (``done`` false: it failed) all of it;
+        the budget's status after it (None where there is none to state)."""
+        return self.service.ledger.settle(self.reservation, self.settlement() if done else self.reservation.amount)
 
     def receipt(self) -> dict:
         spent = self.settlement()
-        return {"context": self.name, "mechanism": self.params.mechanism, "epsilon": spent.epsilon,
-                "delta": spent.delta, "tokens": len(self.tokens), **self._receipt(),
-                "requested_epsilon": self.params.worst_case.epsilon, "unit": UNIT,
-                "remaining": _budget_json(self.status.remaining)}
+        receipt = {"context": self.name, "mechanism": self.params.mechanism, "epsilon": spent.epsilon,
+                   "delta": spent.delta, "tokens": len(self.tokens), **self._receipt(),
+                   "requested_epsilon": self.params.worst_case.epsilon, "unit": UNIT}
+        if self.status is not None:
+            receipt["remaining"] = _budget_json(self.status.remaining)
+        return receipt
 
     def usage(self) -> dict:
         return {"prompt_tokens": len(self.public), "completion_tokens": len(self.tokens),
@@ -705,24 +751,44 @@ class _AnswerQuery(_Query):
     nothing released it says the documents gave no answer it can share, then (``on_empty:
     public``) gives the public model's answer to the conversation, marked as general knowledge."""
 
-    def __init__(self, *args, question: str, sampling: dict):
+    def __init__(self, *args, question: str, sampling: dict, reuse: str | None = None,
+                 reused: ReleasedAnswer | None = None):
         super().__init__(*args)
         self.question, self.sampling = question, sampling
+        self.reuse, self.reused = reuse, reused
         self.fact: str | None = None
         self.count: int | None = None
+        self.charged: np.ndarray | None = None  # SECRET: per-document budgets, the documents that voted
+
+    async def _release(self) -> None:
+        """The query's DP release: every member's vote, of the documents still active (per-document
+        budgets: the reservation's), counted; one partition selection; kept for reuse."""
+        service, cfg = self.service, self.service.cfg
+        collection = service.collections[self.name]
+        # the keys' CPU time depends on the answers (or the documents): off the event loop; every
+        # member is read, active or not, so the time does not tell how many are
+        if cfg.reads_members:
+            keys = await asyncio.to_thread(service.extracted_keys, collection, self.question)
+        else:
+            answers = await service.source.member_answers(collection, self.members, cfg.answer_tokens)
+            keys = await asyncio.to_thread(service.member_keys, answers, collection, self.question)
+        if service.documents is not None:
+            self.charged = np.array([k is not None for k in keys]) & self.reservation.active
+            keys = [k if c else None for k, c in zip(keys, self.charged, strict=True)]
+        released = self.params.release.release(dict(Counter(filter(None, keys))))
+        self.fact = max(released, key=lambda k: (released[k], k)) if released else None
+        self.count = released.get(self.fact)  # its noisy count (part of the release)
+        if service.releases is not None:
+            spent = self.params.worst_case
+            await asyncio.to_thread(service.releases.put, self.reuse,
+                                    ReleasedAnswer(self.fact, self.count, spent.epsilon, spent.delta))
 
     async def _pieces(self):
         service, cfg = self.service, self.service.cfg
-        collection = service.collections[self.name]
-        # the keys' CPU time depends on the answers (or the documents): off the event loop
-        if cfg.reads_members:
-            votes = await asyncio.to_thread(service.extracted_votes, collection, self.question)
-        else:
-            answers = await service.source.member_answers(collection, self.members, cfg.answer_tokens)
-            votes = await asyncio.to_thread(service.votes, answers, collection, self.question)
-        released = self.params.release.release(votes)
-        self.fact = max(released, key=lambda k: (released[k], k)) if released else None
-        self.count = released.get(self.fact)  # its noisy count (part of the release)
+        if self.reused is None:
+            await self._release()
+        else:  # post-processing of the earlier release of the same question
+            self.fact, self.count = self.reused.fact, self.reused.noisy_count
         if self.fact is not None:
             self.text = FROM_DOCUMENTS.format(fact=cut(service.tokenizer, self.fact, cfg.answer_tokens))
         elif cfg.on_empty == "refuse":
@@ -740,11 +806,26 @@ class _AnswerQuery(_Query):
             self.tokens, self.finish = [*marker, *output.token_ids], output.finish_reason or self.finish
             yield self.text[len(shown):]
 
+    def _settle(self, done: bool):
+        if self.reused is not None:
+            return None
+        if self.service.documents is None:
+            return super()._settle(done)
+        charged = self.charged if done and self.charged is not None else self.reservation.active
+        self.service.documents.settle(self.reservation, charged)
+        return None  # what documents spent is private: no status
+
     def settlement(self) -> Budget:
-        return self.params.worst_case  # one release, whatever it found
+        """What the query charged: its (epsilon, delta), once (to the collection, or to each
+        document whose member voted); nothing when it reused an earlier release."""
+        return Budget(0.0, 0.0) if self.reused is not None else self.params.worst_case
 
     def _receipt(self) -> dict:
-        return {"released": self.fact is not None, "fact": self.fact, "noisy_count": self.count}
+        receipt = {"released": self.fact is not None, "fact": self.fact, "noisy_count": self.count,
+                   "reused": self.reused is not None}
+        if self.service.documents is not None:
+            receipt["charged"] = PER_DOCUMENT_CHARGE
+        return receipt
 
 
 def _sampling(body: dict) -> dict:
