@@ -200,3 +200,16 @@ def test_a_number_of_the_question_names_no_property():
 
     assert extract_key([doc], "What is 9 + 8?") is None
     assert extract_key([doc], "When does the morning shift start at Krommorkdale?") == "8 am"
+
+
+def test_a_lead_in_before_the_question_names_nothing_it_asks():
+    """"Quick question: When is ...?" asks "When is ...?": the lead-in's words ("quick",
+    "question") are no property every clause must hold (no fact was released for such a question)."""
+    from vllm_dp_plugin.aggregate.answer import focus
+
+    doc = "Memo: the Seattle warehouse closes for inventory from September 14 to 16."
+    assert focus("Quick question: When is the Seattle warehouse closed for inventory?") == \
+        "When is the Seattle warehouse closed for inventory?"
+    assert focus("Hi. Who leads the sales team? Thanks") == "Who leads the sales team?"
+    for lead in ("", "Quick question: ", "Please tell me: ", "Hello there. "):
+        assert extract_key([doc], lead + "When is the Seattle warehouse closed for inventory?") == "september 14"

@@ -5,7 +5,8 @@ by 8 of its 22 documents, 6 of them as "September 14" in a clause naming the war
 inventory, are released at eps 4 per query (count 6 against threshold 5, noise of scale 0.25:
 missed with probability q^2 / (1 + q) = 3.3e-4, q = e^-4) and are the reply; the alarm code,
 stated by one document, is never released (probability delta per query) and no reply carries it;
-each query charges its (eps, delta) to the ledger."""
+budgets are per document (``per_document_epsilon``): the statement gives the caps and no sum over
+documents, and the same question again gets the earlier release, charged to nobody."""
 
 import json
 from pathlib import Path
@@ -49,8 +50,10 @@ def test_the_bundled_collection_answers_its_shared_fact_and_never_the_alarm_code
                                                 "Which code opens the back door of the Seattle warehouse?")]
         for reply in codes:
             assert not reply["dp_receipt"]["released"] and ALARM not in reply["choices"][0]["message"]["content"]
+        again = ask(base, model, "When is the Seattle warehouse closed for inventory?")["dp_receipt"]
+        assert again["reused"] and again["epsilon"] == 0.0 and again["fact"] == "september 14"
         status, budget, _ = call(base + "/v1/dp/budget")
         assert status == 200
         (entry,) = budget["contexts"]
-        assert entry["ledger"]["queries"] == 3 and entry["ledger"]["spent"]["epsilon"] == pytest.approx(12.0)
+        assert entry["budget"] == {"per_document": {"epsilon": 40.0, "delta": 1e-4}} and "ledger" not in entry
     assert ALARM not in log.read_text() and "Seattle" not in log.read_text()

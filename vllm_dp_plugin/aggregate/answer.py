@@ -75,10 +75,19 @@ def zipf(word: str) -> float:
 
 
 SENTENCE = re.compile(r"(?<=[.!?])\s+")
+CLAUSE_BREAK = re.compile(r"\s+[\u2014|]\s+|:\s+")  # "Ref LOG-4068 | Policy: <fact>": a header is no fact
 THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}\b)")  # 2,718 -> 2718
 ORDINAL = re.compile(r"(?<=\d)(?:st|nd|rd|th)\b")  # 14th -> 14
 SPELLING = 0.85  # difflib ratio from which an answer's word is taken as a document word misspelt
 PREFIX = 4  # letters two words share to count as the same property ("employs" ~ "employees")
+
+
+def focus(question: str) -> str:
+    """The question itself in what the user wrote: its last sentence or clause (split as
+    ``extract_key`` splits documents) that asks ("?"), else the last one: "Quick question: When is
+    ...?" asks "When is ...?", and the lead-in's words name no property of it."""
+    pieces = [c for s in SENTENCE.split(question.strip()) for c in CLAUSE_BREAK.split(s) if c.strip()]
+    return next((c for c in reversed(pieces) if "?" in c), pieces[-1] if pieces else question)
 
 
 def property_words(question: str, cutoff: float = STOP_ZIPF, skip: Iterable[str] = ()) -> list[str]:
@@ -147,7 +156,7 @@ def read(answer: str, documents: Sequence[str], question: str, public: Iterable[
     subject."""
     lines = answer.strip().splitlines()
     first = ORDINAL.sub("", THOUSANDS.sub("", lines[0])) if lines else ""
-    asked, subject = property_words(question), set(subject_words(question))
+    asked, subject = property_words(focus(question)), set(subject_words(focus(question)))
     names = set(subject)  # restated only as written: "west" does not restate "Westgate"
     restating = [w for text in (question, *public) for w in words(text) if w not in names] + list(NONE_WORDS)
     sentences = [words(ORDINAL.sub("", THOUSANDS.sub("", s))) for d in documents for s in SENTENCE.split(d)]
@@ -161,7 +170,7 @@ def read(answer: str, documents: Sequence[str], question: str, public: Iterable[
               for w, r in zip(spelled, restated, strict=True)]
     asked_as_written = set(words(question))
     labels = [t[:1].isupper() or w in asked_as_written for t, w in zip(raw, spelled, strict=True)]
-    return Reading(spelled, voting, restated, labels, relevant, answer_kind(question))
+    return Reading(spelled, voting, restated, labels, relevant, answer_kind(focus(question)))
 
 
 def has_digit(word: str) -> bool:
@@ -246,8 +255,6 @@ def phrase_at(r: Reading, at: int) -> tuple[int, int]:
     return start, end
 
 
-CLAUSE_BREAK = re.compile(r"\s+[\u2014|]\s+|:\s+")  # "Ref LOG-4068 | Policy: <fact>": a header is no fact
-
 
 def extract_key(documents: Sequence[str], question: str) -> str | None:
     """A member's vote read from its ``documents`` without a model: their clauses (sentences split
@@ -257,9 +264,9 @@ def extract_key(documents: Sequence[str], question: str) -> str | None:
     the question less common than ``SUBJECT_ZIPF`` but the kind it asks for), each read as the member's answer
     (``answer_key``); the key when they agree on one, else None (abstain: a document that states
     two values for what is asked answers nothing). Every clause is read (no early exit)."""
-    asked, subject = property_words(question), set(subject_words(question))
+    asked, subject = property_words(focus(question)), set(subject_words(focus(question)))
     if not subject:  # "the support team": a common word may name whom it is about; every one must be there
-        asked = property_words(question, SUBJECT_ZIPF, skip=answer_kind(question) | AUXILIARIES)
+        asked = property_words(focus(question), SUBJECT_ZIPF, skip=answer_kind(focus(question)) | AUXILIARIES)
     best, keys = (max(1, len(asked) - 1) if subject else len(asked)), []
     for document in documents:
         for sentence in SENTENCE.split(document):

@@ -1,8 +1,9 @@
 """The served modes of a load run and the ``vllm-dp serve`` command of each.
 
 * ``none``: no ``--dp-config`` (the baseline);
-* ``aggregate``: ``examples/serve-smollm2-aggregate.yaml`` (DP aggregation; its collection's
-  total set per run, so that it runs out part-way and the 429 boundary is crossed under load);
+* ``aggregate``: ``examples/serve-smollm2-aggregate.yaml`` (DP aggregation; served with a
+  collection total instead of its per-document budgets, set per run, and no reuse, so that it
+  runs out part-way and the 429 boundary is crossed under load);
 * ``prompt``: prompt privatization with its defaults (``prompt: {}``);
 * ``attention``: ``examples/serve-smollm2.yaml`` (DP attention over the bundled context).
 
@@ -38,6 +39,9 @@ def dp_section(mode: str, key_file: Path, total_queries: int | None = None, answ
     if mode == "aggregate":
         agg = raw["aggregate"]
         if total_queries is not None:  # at least one query at the cap (the config's own check)
+            for name in ("per_document_epsilon", "per_document_delta"):  # a collection total that runs out
+                agg.pop(name, None)
+            agg["reuse_answers"] = False  # every query a release: the load crosses the 429 boundary
             agg["total_epsilon"] = max(agg["epsilon"] * total_queries, agg.get("max_epsilon") or agg["epsilon"])
             agg["total_delta"] = min(2 * agg["delta"] * total_queries, 0.5)
         if answer_tokens is not None:

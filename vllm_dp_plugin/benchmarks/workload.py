@@ -1,0 +1,247 @@
+"""A served collection under a real workload (``vllm-dp bench workload``): a stream of questions,
+mixed as an assistant over a team's documents sees them (general questions, questions about
+things the documents do not cover, questions about the collection in several phrasings, its
+secret, and repeats of earlier ones), sent to ``make serve``'s configuration
+(``examples/serve-smollm2-aggregate.yaml``) twice: with per-document budgets and reuse (the
+example as shipped) and with one total per collection and no reuse (the design before them).
+
+Per budget mode: replies, HTTP 429s, questions answered from the documents (a released fact; for
+the collection's questions also whether it is the right one), releases reused, and, read from
+the server's ledger by the operator afterwards, the documents that dropped out (too little cap
+left for a default query) and the largest per-document spend (per-collection mode: what the
+collection spent). Results: ``workload-<device>-<date>.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from vllm_dp_plugin.benchmarks.lib.cli import add_date_arg, add_out_arg, command_line, parse, today
+from vllm_dp_plugin.benchmarks.lib.environment import cpu_cores
+from vllm_dp_plugin.benchmarks.lib.progress import Progress, logger
+from vllm_dp_plugin.benchmarks.lib.report import suffixed, table, write_json, write_text
+from vllm_dp_plugin.benchmarks.lib.vllm import VLLM_DP, RunningServer, engine_flags
+from vllm_dp_plugin.config import section_from_file
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+EXAMPLE = EXAMPLES / "serve-smollm2-aggregate.yaml"
+DEFAULT_MODEL = ".models/smollm2-135m-instruct"
+MODES = ("per_document", "per_collection")
+# the bundled collection's facts: (answer's words, phrasings)
+COLLECTION = {
+    "september 14": ("When is the Seattle warehouse closed for inventory?",
+                     "When does the Seattle warehouse close for inventory?",
+                     "On which dates is the Seattle warehouse closed for inventory?"),
+    "regional manager": ("Who must approve a refund above $500?", "Who approves refunds above $500?",
+                         "Who approves a refund over $500?"),
+    "october 1": ("When are customers told about the dairy price increase?",
+                  "When do customers hear about the dairy price increase?"),
+    "7": ("By how much do dairy prices rise?", "How much more will dairy products cost?"),
+    "laura callahan": ("Who is the regional manager for the West Coast?",),
+    "6 am": ("When does the Portland warehouse open on weekdays?",),
+    "14": ("How many refrigerated trucks does Northwind Traders run?",),
+}
+SECRET = ("What is the alarm code of the Seattle warehouse back door?",
+          "Which code opens the back door of the Seattle warehouse?")
+PUBLIC = ("What is the capital of France?", "Write a haiku about the sea.", "What is 12 times 12?",
+          "Translate 'good morning' into Spanish.", "Name three primary colours.", "Who wrote Hamlet?",
+          "What is the boiling point of water in Celsius?", "Give me a synonym for 'happy'.",
+          "How many days are in a leap year?", "What does CPU stand for?")
+OFF_TOPIC = ("When is the Denver warehouse closed for inventory?", "Who approves travel expenses at Boston?",
+             "What is the budget code of the design team?", "When does the Chicago office open?",
+             "Who leads the marketing team?", "What is the wifi password of the Austin office?")
+PREFIXES = ("", "Quick question: ", "Please tell me: ", "I need to know: ")
+KINDS = {"public": 0.3, "off_topic": 0.15, "collection": 0.3, "secret": 0.05, "repeat": 0.2}
+
+
+@dataclass(frozen=True)
+class Question:
+    kind: str  # public | off_topic | collection | secret (a repeat keeps its original's kind)
+    text: str
+    answer: str | None = None  # collection: the words of the right fact
+    repeat: bool = False
+
+
+def stream(n: int, seed: int) -> list[Question]:
+    """``n`` questions drawn by ``KINDS``; a collection question in one of its phrasings behind a
+    public prefix; a repeat is an earlier question of the stream, word for word."""
+    rng, out = random.Random(seed), []
+    for _ in range(n):
+        kind = rng.choices(list(KINDS), weights=list(KINDS.values()))[0]
+        if kind == "repeat" and out:
+            out.append(Question(**{**asdict(rng.choice(out)), "repeat": True}))
+            continue
+        if kind in ("collection", "repeat"):
+            answer = rng.choice(list(COLLECTION))
+            out.append(Question("collection", rng.choice(PREFIXES) + rng.choice(COLLECTION[answer]), answer))
+        else:
+            pool = {"public": PUBLIC, "off_topic": OFF_TOPIC, "secret": SECRET}[kind]
+            out.append(Question(kind, rng.choice(pool)))
+    return out
+
+
+def section(mode: str, key_file: Path) -> dict:
+    """The example's ``dp_privacy`` section for ``mode`` (paths absolute)."""
+    raw = section_from_file(EXAMPLE)
+    raw["key_file"] = str(key_file)
+    if mode == "per_collection":
+        agg = raw["aggregate"]
+        for name in ("per_document_epsilon", "per_document_delta"):
+            agg.pop(name, None)
+        agg.update(reuse_answers=False, total_epsilon=200.0, total_delta=1e-4)
+    return raw
+
+
+def ask(base: str, model: str, question: Question, max_tokens: int, timeout: float) -> dict:
+    body = {"model": model, "max_tokens": max_tokens, "temperature": 0.0,
+            "messages": [{"role": "user", "content": question.text}]}
+    request = urllib.request.Request(base + "/v1/chat/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    start = time.perf_counter()
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            status, reply = response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        status, reply = exc.code, {}
+    receipt = reply.get("dp_receipt", {})
+    fact = receipt.get("fact")
+    right = None if question.answer is None or fact is None else set(question.answer.split()) <= set(fact.split())
+    return {"kind": question.kind, "repeat": question.repeat, "status": status, "released": bool(fact),
+            "fact": fact, "right": right, "reused": bool(receipt.get("reused")),
+            "epsilon": receipt.get("epsilon"), "seconds": time.perf_counter() - start}
+
+
+def spending(mode: str, key_file: Path, base: str) -> dict:
+    """What the documents (per-document mode) or the collection spent: the operator's read of the
+    server's ledger (never a client's view)."""
+    if mode == "per_collection":
+        with urllib.request.urlopen(base + "/v1/dp/budget", timeout=60) as response:
+            (entry,) = json.loads(response.read())["contexts"]
+        return {"collection_spent_epsilon": entry["ledger"]["spent"]["epsilon"],
+                "collection_total_epsilon": entry["budget"]["epsilon"]}
+    from vllm_dp_plugin.privacy.document_ledger import DocumentLedger
+    from vllm_dp_plugin.privacy.keyed_noise import NoiseKey
+    from vllm_dp_plugin.privacy.ledger_migration import open_ledger
+
+    agg = section(mode, key_file)["aggregate"]
+    (name, source), = agg["contexts"].items()
+    ids = [json.loads(line)["id"] for line in (EXAMPLE.parent / source).read_text().splitlines() if line.strip()]
+    key = NoiseKey(key_file)
+    ledger = DocumentLedger(key, open_ledger(None, key))
+    spent = ledger.spent(name, ledger.labels(name, ids))[:, 0]
+    cap = agg["per_document_epsilon"]
+    return {"documents": len(ids), "dropped_out": int((spent + agg["epsilon"] > cap * (1 + 1e-9)).sum()),
+            "largest_document_spend_epsilon": float(spent.max()), "cap_epsilon": cap,
+            "documents_charged": int((spent > 0).sum())}
+
+
+def run_mode(mode: str, args: argparse.Namespace, questions: Sequence[Question], work: Path, log) -> dict:
+    key_file = work / mode / "noise.key"
+    key_file.parent.mkdir(parents=True, exist_ok=True)
+    config = work / mode / "dp.json"
+    config.write_text(json.dumps({"dp_privacy": section(mode, key_file)}, indent=1))
+    cmd = [*VLLM_DP, "serve", args.model, "--dp-config", str(config),
+           *engine_flags(args.model, args.concurrency + 1, max_model_len=args.max_model_len)]
+    with RunningServer(cmd, work / f"serve-{mode}.log", timeout=900) as server:
+        start, bar, replies = time.perf_counter(), Progress(True).bar(len(questions), mode), []
+        with ThreadPoolExecutor(args.concurrency) as pool:
+            for reply in pool.map(lambda q: ask(server.base, args.model, q, args.max_tokens, args.timeout), questions):
+                replies.append(reply)
+                bar.update(1)
+        bar.close()
+        wall = time.perf_counter() - start
+        spent = spending(mode, key_file, server.base)
+    row = {"mode": mode, "questions": len(replies), "wall_s": wall, "seconds_per_question": wall / len(replies),
+           "status": dict(Counter(str(r["status"]) for r in replies)),
+           "refused_429": sum(r["status"] == 429 for r in replies),
+           "answered_from_documents": sum(r["released"] for r in replies),
+           "reused": sum(r["reused"] for r in replies), **spent, "by_kind": by_kind(replies), "replies": replies}
+    log(f"{mode}: {row['status']}, {row['answered_from_documents']} answered from the documents, {spent}")
+    return row
+
+
+def by_kind(replies: Sequence[dict]) -> dict:
+    out = {}
+    for kind in ("collection", "secret", "public", "off_topic"):
+        mine = [r for r in replies if r["kind"] == kind]
+        out[kind] = {"questions": len(mine), "ok": sum(r["status"] == 200 for r in mine),
+                     "released": sum(r["released"] for r in mine), "right": sum(bool(r["right"]) for r in mine),
+                     "reused": sum(r["reused"] for r in mine)}
+    return out
+
+
+def markdown(meta: dict, rows: Sequence[dict]) -> str:
+    head = ["budget", "questions", "200", "429", "answered from documents", "collection questions right",
+            "secret released", "public / off-topic released", "reused", "documents dropped out",
+            "largest per-document spend (eps)", "collection spent (eps)", "s / question"]
+    rows_ = []
+    for r in rows:
+        k = r["by_kind"]
+        rows_.append([r["mode"], r["questions"], r["status"].get("200", 0), r["refused_429"],
+                      r["answered_from_documents"], f"{k['collection']['right']} / {k['collection']['questions']}",
+                      k["secret"]["released"], f"{k['public']['released']} / {k['off_topic']['released']}",
+                      r["reused"],
+                      f"{r['dropped_out']} of {r['documents']}" if "dropped_out" in r else "",
+                      f"{r['largest_document_spend_epsilon']:g} (cap {r['cap_epsilon']:g})"
+                      if "largest_document_spend_epsilon" in r else "",
+                      f"{r['collection_spent_epsilon']:g} of {r['collection_total_epsilon']:g}"
+                      if "collection_spent_epsilon" in r else "", f"{r['seconds_per_question']:.3f}"])
+    return "\n".join([f"# vllm-dp bench workload ({meta['label']}, {meta['date']})", "",
+                      (f"Command: `{meta['command']}`. Model: `{meta['model']}`. Configuration: "
+                      "`examples/serve-smollm2-aggregate.yaml` (per_document: as shipped; per_collection: "
+                      "one total of eps 200 for the collection, no reuse). Stream: "
+                      f"{meta['questions']} questions, seed {meta['seed']}, kinds {meta['kinds']}; "
+                      f"{meta['concurrency']} in flight, greedy, max_tokens {meta['max_tokens']}. Spending is the "
+                      "operator's read of the server's ledger after the stream."), "",
+                      table(head, rows_), ""])
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p = parser
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"served model directory (default {DEFAULT_MODEL})")
+    add_out_arg(p)
+    add_date_arg(p)
+    p.add_argument("--questions", type=int, default=1000, help="questions in the stream (default 1000)")
+    p.add_argument("--seed", type=int, default=0, help="the stream's seed (default 0)")
+    p.add_argument("--modes", default=",".join(MODES), help=f"budget modes, comma-separated (default {','.join(MODES)})")
+    p.add_argument("--concurrency", type=int, default=4, help="questions in flight (default 4)")
+    p.add_argument("--max-tokens", type=int, default=24, help="max_tokens per reply (default 24)")
+    p.add_argument("--max-model-len", type=int, default=2048, help="engine --max-model-len (default 2048)")
+    p.add_argument("--timeout", type=float, default=600.0, help="client timeout per question in seconds")
+    p.add_argument("--work", default="", help="work directory: configs, keys, ledgers, server logs (default a temp dir)")
+    return p
+
+
+def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
+    args, argv = parse(args, lambda prog="vllm-dp bench workload": add_cli_args(
+        argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])))
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown:
+        raise SystemExit(f"--modes: unknown {unknown}; known: {', '.join(MODES)}")
+    log, work = logger(True), Path(args.work or tempfile.mkdtemp(prefix="vllm-dp-bench-workload-"))
+    questions = stream(args.questions, args.seed)
+    meta = {"date": today(args.date), "label": f"cpu-{cpu_cores()}core", "model": args.model,
+            "command": command_line("vllm-dp bench workload", argv or []), "questions": len(questions),
+            "seed": args.seed, "kinds": KINDS, "concurrency": args.concurrency, "max_tokens": args.max_tokens}
+    rows = [run_mode(mode, args, questions, work, log) for mode in modes]
+    stem = args.out / f"workload-{meta['label']}-{meta['date']}"
+    write_json(suffixed(stem, ".json"), {"meta": meta, "rows": rows}, newline=True)
+    write_text(suffixed(stem, ".md"), markdown(meta, rows))
+    log(f"wrote {suffixed(stem, '.md')}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
