@@ -536,7 +536,12 @@ class FactSheetPrivacyConfig:
     ``delta``), noise keyed by the deployment's secret key so a restart reproduces the sheet)
     releases the keys many documents give. The release is recorded in the release ledger (a
     second release of a collection under other noise is refused unless ``allow_rerelease``).
-    Queries then get the sheet as a plain system context and spend nothing. ``contexts`` as in
+    Queries then get the sheet as a plain system context and spend nothing.
+    ``per_document_epsilon`` / ``per_document_delta`` (default: 100 x ``delta``): each document's
+    lifetime cap in the per-document ledger the aggregation uses (``privacy.document_ledger``):
+    every release charges each document it reads, so the release of a changed collection (a new
+    subject) is charged to the documents already released, and a document without room for it is
+    left out of it; a restart reproduces the sheet from its recorded reservation. ``contexts`` as in
     ``aggregate``; a request picks one with ``vllm_xargs.dp_context``; documents over
     ``max_document_tokens`` tokens are refused at start-up.
     """
@@ -547,11 +552,24 @@ class FactSheetPrivacyConfig:
     facts_per_document: int = 2
     max_document_tokens: int = 1024
     allow_rerelease: bool = False
+    per_document_epsilon: float | None = None
+    per_document_delta: float | None = None
 
     def __post_init__(self) -> None:
         _check_collections(self.contexts, "fact_sheet.contexts")
         _check_field(self, "epsilon", check_epsilon, "fact_sheet.epsilon")
         _check_field(self, "delta", check_delta, "fact_sheet.delta")
+        if self.per_document_epsilon is None and self.per_document_delta is not None:
+            raise ConfigError("fact_sheet.per_document_delta is set without fact_sheet.per_document_epsilon")
+        if self.per_document_epsilon is not None:
+            _check_field(self, "per_document_epsilon", check_epsilon, "fact_sheet.per_document_epsilon")
+            if self.per_document_delta is None:
+                object.__setattr__(self, "per_document_delta", 100 * self.delta)
+            _check_field(self, "per_document_delta", check_delta, "fact_sheet.per_document_delta")
+            if self.epsilon > self.per_document_epsilon or self.delta > self.per_document_delta:
+                raise ConfigError(f"fact_sheet.per_document_epsilon={self.per_document_epsilon:g} / "
+                                  f"per_document_delta={self.per_document_delta:g} cannot pay for one release of "
+                                  f"({self.epsilon:g}, {self.delta:g})")
         for name in ("facts_per_document", "max_document_tokens"):
             _check(check_count, getattr(self, name), f"fact_sheet.{name}")
         if not isinstance(self.allow_rerelease, bool):

@@ -641,6 +641,8 @@ FACT_SHEET_UNIT = ("one document of the collection (add/remove: its text and its
                    "nothing more")
 FACT_SHEET_NOT_PROTECTED = ("the configuration (epsilon, delta, facts_per_document, max_document_tokens) and the "
                             "collection's names; the sheet itself is public once released")
+FACT_SHEET_PER_DOCUMENT = ("; each release (a changed collection is released again) is charged to every document "
+                           "it reads, within the document's lifetime cap shared with DP aggregation")
 FACT_SHEET_VERSION = "facts/v1"  # the key extraction (aggregate.facts): a change draws a new release
 
 
@@ -670,8 +672,31 @@ def release_fact_sheet(cfg: FactSheetPrivacyConfig, name: str, documents: Sequen
     settings = context_id(json.dumps([FACT_SHEET_VERSION, release.scale, release.threshold, release.l0]))
     history = ledger.register(subject, settings, release.budget, FACT_SHEET_UNIT,
                               allow_rerelease=cfg.allow_rerelease, setting="fact_sheet.allow_rerelease")
-    sheet = release_sheet([text for _, text in texts], release, key.generator(subject + settings, "fact_sheet"))
+    read = [text for _, text in texts]
+    if cfg.per_document_epsilon is not None:
+        read = [text for (_, text), used in zip(texts, sheet_documents(cfg, name, texts, subject + settings, key,
+                                                                       ledger.store, release.budget), strict=True)
+                if used]
+    sheet = release_sheet(read, release, key.generator(subject + settings, "fact_sheet"))
     return ReleasedSheet(name, sheet, history)
+
+
+def sheet_documents(cfg: FactSheetPrivacyConfig, name: str, texts: Sequence[tuple[str, str]], release_id: str,
+                    key: NoiseKey, store, cost: Budget):
+    """Which documents the sheet reads under per-document budgets: those its reservation (id: a
+    keyed label of the release) made active, charged to each; the same ones after a restart."""
+    from .privacy.document_ledger import DocumentLedger
+
+    documents = DocumentLedger(key, store)
+    labels = documents.labels(name, [doc_id for doc_id, _ in texts])
+    rid = key.label("fact-sheet/reservation", release_id)
+    active = documents.reserved(name, rid, labels)
+    if active is None:  # the first release: every document with room takes part and is charged
+        reservation = documents.reserve(name, labels, cost, Budget(cfg.per_document_epsilon, cfg.per_document_delta),
+                                        rid=rid)
+        documents.settle(reservation, reservation.active)
+        active = reservation.active
+    return active
 
 
 def release_fact_sheets(cfg: FactSheetPrivacyConfig, key: NoiseKey, ledger: ReleaseLedger,
@@ -704,6 +729,9 @@ def fact_sheet_report(cfg: FactSheetPrivacyConfig, name: str, released: Released
         "statement": release.statement(),
         "not_protected": FACT_SHEET_NOT_PROTECTED,
     }
+    if cfg.per_document_epsilon is not None:
+        report["budget"] = {"per_document": {"epsilon": cfg.per_document_epsilon, "delta": cfg.per_document_delta}}
+        report["unit"] = FACT_SHEET_UNIT + FACT_SHEET_PER_DOCUMENT
     if released is not None:
         report.update(facts=released.sheet.to_json(), context=released.sheet.system_text(),
                       ledger=released.history.to_json())

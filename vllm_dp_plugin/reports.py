@@ -265,6 +265,8 @@ def fact_sheet_text(report: dict) -> str:
         "  per query: nothing (the sheet is public)",
         f"  not protected: {report['not_protected']}",
     ]
+    if "budget" in report:
+        lines.insert(3, "  budget of each document (its lifetime cap): " + _budget(report["budget"]["per_document"]))
     if "facts" in report:
         lines.append(f"  released facts ({len(report['facts'])}): "
                      + ("; ".join(f"{f['fact']} (~{f['noisy_count']})" for f in report["facts"]) or "none"))

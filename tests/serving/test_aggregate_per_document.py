@@ -185,3 +185,13 @@ def test_a_document_past_its_cap_is_not_seen_the_filter_audited_through_the_serv
 
     assert bound("with", "without") <= TAKES_PART * 1.0, seen  # eps 1 for each of X's two passphrase answers
     assert bound("unfiltered", "without") > TAKES_PART * 1.0, seen
+
+
+def test_a_lead_in_shares_the_release_of_the_question_it_asks(tmp_path, tokenizer):  # noqa: F811
+    """Members that read vote on the question itself (``aggregate.answer.focus``), so "Quick
+    question: X?" is answered by X's release, free."""
+    svc = per_document(tmp_path, tokenizer)
+    first = ask(svc, INVENTORY)[1]["dp_receipt"]
+    again = ask(svc, "Quick question: " + INVENTORY)[1]["dp_receipt"]
+    assert again["reused"] and again["noisy_count"] == first["noisy_count"]
+    np.testing.assert_allclose(spent(svc), [4.0] * 6 + [0.0] * 6)

@@ -184,3 +184,43 @@ def test_neighbouring_collections_look_the_same_but_for_the_dp_outputs(tmp_path,
     base = view(docs, tmp_path / "a")
     assert view([d for d in docs if "quendrix42" not in d], tmp_path / "b") == base  # the secret's document
     assert view(docs[1:], tmp_path / "c") == base  # a document stating both facts
+
+
+def test_per_document_budgets_charge_each_release_to_every_document_it_reads(tmp_path):
+    """``per_document_epsilon``: the first release charges each document (once: a restart
+    reproduces the same sheet from the recorded reservation, charging nothing more); the release
+    of a changed collection charges the documents already released again; a document without room
+    for another release is left out of it (cap 10 at eps 4: two releases a document)."""
+    from vllm_dp_plugin.config import parse_section, section_from_file
+    from vllm_dp_plugin.privacy.document_ledger import DocumentLedger
+
+    def spent(cfg, ids):
+        key = NoiseKey(cfg.key_file)
+        ledger = DocumentLedger(key, cfg.ledger_store(key))
+        return ledger.spent("ostravo", ledger.labels("ostravo", ids))[:, 0].tolist()
+
+    settings = {"per_document_epsilon": 10.0}
+    cfg, first = released(tmp_path, **settings)
+    ids = [f"d{i}" for i in range(len(collection()))]
+    assert spent(cfg, ids) == [4.0] * len(ids)
+    _, again = released(tmp_path, **settings)
+    assert again["ostravo"].sheet == first["ostravo"].sheet and spent(cfg, ids) == [4.0] * len(ids)
+    docs = tmp_path / "ostravo.jsonl"  # a changed collection: one more document, a new release
+    docs.write_text(docs.read_text() + json.dumps({"id": "new", "text": "Ostravo opened a new depot."}) + "\n")
+    cfg = parse_section(section_from_file(tmp_path / "dp.json"))
+    key = NoiseKey(cfg.key_file)
+    release_fact_sheets(cfg.fact_sheet, key, ReleaseLedger(key, cfg.ledger_store(key)))
+    assert spent(cfg, [*ids, "new"]) == [8.0] * len(ids) + [4.0]
+    docs.write_text(docs.read_text() + json.dumps({"id": "newer", "text": "Nothing new."}) + "\n")
+    third = release_fact_sheets(cfg.fact_sheet, key, ReleaseLedger(key, cfg.ledger_store(key)))
+    assert spent(cfg, [*ids, "new", "newer"]) == [8.0] * len(ids) + [8.0, 4.0]  # the old ones had no room
+    assert third["ostravo"].sheet.facts == ()  # it read only the two documents with room left
+    statement = fact_sheet_statement_text(cfg)
+    assert "budget of each document (its lifetime cap): (eps=10" in statement
+
+
+def fact_sheet_statement_text(cfg) -> str:
+    from vllm_dp_plugin.plan import fact_sheet_report
+    from vllm_dp_plugin.reports import fact_sheet_text
+
+    return fact_sheet_text(fact_sheet_report(cfg.fact_sheet, "ostravo"))

@@ -264,9 +264,10 @@ def extract_key(documents: Sequence[str], question: str) -> str | None:
     the question less common than ``SUBJECT_ZIPF`` but the kind it asks for), each read as the member's answer
     (``answer_key``); the key when they agree on one, else None (abstain: a document that states
     two values for what is asked answers nothing). Every clause is read (no early exit)."""
-    asked, subject = property_words(focus(question)), set(subject_words(focus(question)))
+    question = focus(question)  # the vote is a function of the question itself: a lead-in changes nothing
+    asked, subject = property_words(question), set(subject_words(question))
     if not subject:  # "the support team": a common word may name whom it is about; every one must be there
-        asked = property_words(focus(question), SUBJECT_ZIPF, skip=answer_kind(focus(question)) | AUXILIARIES)
+        asked = property_words(question, SUBJECT_ZIPF, skip=answer_kind(question) | AUXILIARIES)
     best, keys = (max(1, len(asked) - 1) if subject else len(asked)), []
     for document in documents:
         for sentence in SENTENCE.split(document):

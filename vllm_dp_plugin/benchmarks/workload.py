@@ -42,7 +42,8 @@ MODES = ("per_document", "per_collection")
 COLLECTION = {
     "september 14": ("When is the Seattle warehouse closed for inventory?",
                      "When does the Seattle warehouse close for inventory?",
-                     "On which dates is the Seattle warehouse closed for inventory?"),
+                     "On which dates is the Seattle warehouse closed for inventory?",
+                     "When is inventory at the Seattle warehouse?", "When will the Seattle warehouse be closed?"),
     "regional manager": ("Who must approve a refund above $500?", "Who approves refunds above $500?",
                          "Who approves a refund over $500?"),
     "october 1": ("When are customers told about the dairy price increase?",
@@ -54,13 +55,19 @@ COLLECTION = {
 }
 SECRET = ("What is the alarm code of the Seattle warehouse back door?",
           "Which code opens the back door of the Seattle warehouse?")
-PUBLIC = ("What is the capital of France?", "Write a haiku about the sea.", "What is 12 times 12?",
-          "Translate 'good morning' into Spanish.", "Name three primary colours.", "Who wrote Hamlet?",
-          "What is the boiling point of water in Celsius?", "Give me a synonym for 'happy'.",
-          "How many days are in a leap year?", "What does CPU stand for?")
-OFF_TOPIC = ("When is the Denver warehouse closed for inventory?", "Who approves travel expenses at Boston?",
-             "What is the budget code of the design team?", "When does the Chicago office open?",
-             "Who leads the marketing team?", "What is the wifi password of the Austin office?")
+# general questions and questions about what the documents do not cover: templates over public
+# words, so a stream holds many distinct ones (as a real one does) and few exact repeats by chance
+PUBLIC = ("What is {n} times {m}?", "What is {n} plus {m}?", "Write a haiku about {thing}.",
+          "Give me a synonym for '{word}'.", "Translate '{word}' into {language}.", "What is the capital of {country}?")
+OFF_TOPIC = ("When is the {city} warehouse closed for inventory?", "Who approves travel expenses at {city}?",
+             "When does the {city} office open?", "Who manages the {city} site?",
+             "What is the budget code of the {team} team?", "Who leads the {team} team?")
+FILL = {"thing": ("the sea", "autumn", "a city at night", "mountains", "coffee", "rain", "a lighthouse"),
+        "word": ("happy", "fast", "bright", "quiet", "strong", "cold", "small", "old"),
+        "language": ("Spanish", "French", "German", "Italian"),
+        "country": ("France", "Japan", "Kenya", "Peru", "Norway", "Canada", "Egypt", "India"),
+        "city": ("Denver", "Boston", "Chicago", "Austin", "Miami", "Dallas", "Phoenix", "Atlanta", "Detroit"),
+        "team": ("design", "marketing", "legal", "finance", "research", "security", "training")}
 PREFIXES = ("", "Quick question: ", "Please tell me: ", "I need to know: ")
 KINDS = {"public": 0.3, "off_topic": 0.15, "collection": 0.3, "secret": 0.05, "repeat": 0.2}
 
@@ -85,9 +92,13 @@ def stream(n: int, seed: int) -> list[Question]:
         if kind in ("collection", "repeat"):
             answer = rng.choice(list(COLLECTION))
             out.append(Question("collection", rng.choice(PREFIXES) + rng.choice(COLLECTION[answer]), answer))
+        elif kind == "secret":
+            out.append(Question(kind, rng.choice(SECRET)))
         else:
-            pool = {"public": PUBLIC, "off_topic": OFF_TOPIC, "secret": SECRET}[kind]
-            out.append(Question(kind, rng.choice(pool)))
+            fill = {name: rng.choice(words) for name, words in FILL.items()}
+            text = rng.choice(PUBLIC if kind == "public" else OFF_TOPIC).format(n=rng.randint(2, 999),
+                                                                            m=rng.randint(2, 999), **fill)
+            out.append(Question(kind, text))
     return out
 
 

@@ -72,10 +72,12 @@ class DocumentLedger:
         return tuple(self._key.label("document-ledger/document", context, doc) for doc in document_ids)
 
     def reserve(self, context: str, documents: Sequence[str], cost: Budget, cap: Budget,
-                quota: Quota | None = None) -> DocumentReservation:
+                quota: Quota | None = None, rid: str | None = None) -> DocumentReservation:
         """Charge ``cost`` to every document (``labels``) whose spending plus ``cost`` stays
         within ``cap`` and, with ``quota``, whose spending by that client stays within its share
-        of ``cap``; return which (``active``). Committed before it returns; every row written."""
+        of ``cap``; return which (``active``). Committed before it returns; every row written.
+        ``rid``: the reservation's id (default: random), for a one-shot release that must find
+        its reservation again after a restart (``reserved``)."""
         context, cap = _check_context(context), _check_total(cap)
         cost = _check_amount(cost, "cost")
         documents, label = tuple(documents), self._context(context)
@@ -89,7 +91,7 @@ class DocumentLedger:
                 active &= _fits(mine, cost, quota.of(cap))
                 self._write(tx, label, client, documents, mine + active[:, None] * _vector(cost))
             self._write(tx, label, "", documents, spent + active[:, None] * _vector(cost))
-            rid = os.urandom(ID_BYTES).hex()
+            rid = rid or os.urandom(ID_BYTES).hex()
             tx.execute("INSERT INTO document_reservations (id, key, context, client, epsilon, delta, active, "
                        "reserved_at, settled_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, NULL)",
                        (rid, self._key_label, label, client, cost.epsilon, cost.delta, _mask(active), time.time()))
@@ -117,6 +119,16 @@ class DocumentLedger:
                 spent = self._read(tx, label, who, documents)
                 self._write(tx, label, who, documents, np.maximum(spent - refund, 0.0))
             tx.execute("UPDATE document_reservations SET settled_at = ? WHERE id = ?", (time.time(), reservation.id))
+
+    def reserved(self, context: str, rid: str, documents: Sequence[str]) -> np.ndarray | None:
+        """The ``active`` mask of reservation ``rid`` of ``context`` over ``documents`` (those it
+        was made with), or None when there is none."""
+        with self.store.transaction(write=False) as tx:
+            row = tx.one("SELECT active FROM document_reservations WHERE id = ? AND key = ? AND context = ?",
+                         (rid, self._key_label, self._context(_check_context(context))))
+        if row is None:
+            return None
+        return np.unpackbits(np.frombuffer(bytes.fromhex(row[0]), dtype=np.uint8))[:len(documents)].astype(bool)
 
     def spent(self, context: str, documents: Sequence[str], quota: Quota | None = None) -> np.ndarray:
         """What each document spent (``[N, 2]``: epsilon, delta; by ``quota``'s client when

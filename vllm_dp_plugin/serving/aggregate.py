@@ -52,7 +52,7 @@ from dataclasses import dataclass
 import numpy as np
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from ..aggregate.answer import answer_key, extract_key
+from ..aggregate.answer import answer_key, extract_key, focus
 from ..aggregate.decode import Aggregator, TopLogprobs, generate
 from ..aggregate.documents import load_collection, member_texts
 from ..aggregate.reply import FROM_DOCUMENTS, GENERAL_KNOWLEDGE, NOT_FROM_DOCUMENTS
@@ -395,8 +395,9 @@ class AggregateService:
     def _reuse_label(self, collection: ServedCollection, eps: float, question: str, public: list[int]) -> str:
         """The keyed label under which this query's release is kept for reuse: the collection's
         version, the settings, epsilon and what the members see of the request (the question
-        for members that read by rule; the whole rendered request for members that answer)."""
-        seen = question if self.cfg.reads_members else json.dumps(public)
+        itself for members that read by rule, ``focus``: "Quick question: X?" and "X?" share one
+        release; the whole rendered request for members that answer)."""
+        seen = focus(question) if self.cfg.reads_members else json.dumps(public)  # all the members see
         return self.releases.label(collection.name, collection.version, self.release_settings, eps, seen)
 
     def statement(self, shown: tuple[str, ...] | None = None) -> dict:
