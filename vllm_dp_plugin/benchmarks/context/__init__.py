@@ -97,6 +97,7 @@ from vllm_dp_plugin.benchmarks.context.rows import ROWS
 from vllm_dp_plugin.benchmarks.context.running import Bench, jobs_of, run
 from vllm_dp_plugin.benchmarks.context.speed import (
     ANSWER_DOCUMENTS,
+    ANSWER_ROWS,
     SPEED_MEMBERS,
     SWEEP_REPEATS,
     answer_speed,
@@ -148,11 +149,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--speed", action="store_true",
                         help="measure time per output token instead: stock (full context as plain prompt) vs "
                              f"aggregate_vote at k = {', '.join(map(str, SPEED_MEMBERS))} (first --eps), one request "
-                             "at a time, and throughput at --concurrency; with --rows aggregate_answer: seconds per "
-                             f"answer of full and aggregate_answer over {', '.join(map(str, ANSWER_DOCUMENTS))} "
-                             "documents")
+                             "at a time, and throughput at --concurrency; with --rows aggregate_answer (or "
+                             "aggregate_extract): seconds per answer of full and that row over "
+                             f"{', '.join(map(str, ANSWER_DOCUMENTS))} documents")
     parser.add_argument("--sweep", metavar="LEVELS",
-                        help="with --speed and --rows full, aggregate_answer or both: answers/s at each of these "
+                        help="with --speed and --rows full and aggregate_answer or aggregate_extract (or one of "
+                             "them): answers/s at each of these "
                              f"numbers of questions in flight (comma-separated, e.g. 1,4,16), {SWEEP_REPEATS} "
                              "repeats, median, on generated collections (one locked timed run per row)")
     parser.add_argument("--make-scenarios", type=Path, metavar="OUT",
@@ -232,8 +234,9 @@ def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
     device = device_label(default_device())  # the device vLLM serves on
     command = "vllm-dp bench context" + ("" if argv is None else " " + " ".join(argv))
     if args.speed and args.sweep:
-        if not rows or set(rows) - {"full", "aggregate_answer"}:
-            raise SystemExit("--sweep measures --rows aggregate_answer and full (either alone: one timed run each)")
+        if not rows or set(rows) - {"full", *ANSWER_ROWS} or len(set(rows) & set(ANSWER_ROWS)) > 1:
+            raise SystemExit("--sweep measures --rows full and one of aggregate_answer, aggregate_extract (either "
+                             "alone: one timed run each)")
         levels = [int(c) for c in args.sweep.split(",") if c]
         measured = answer_sweep(model, work, args.cache_dir, levels, eps[0], max_tokens, rows=rows)
         data = {"model": model, "device": device, "date": date, "command": command.strip(), "eps": eps[0],
@@ -246,9 +249,9 @@ def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
         shutil.rmtree(work, ignore_errors=True)
         return 0
     if args.speed:
-        answer = rows == ["aggregate_answer"]
-        measured = (answer_speed(model, work, args.cache_dir, ANSWER_DOCUMENTS, eps[0], max_tokens) if answer
-                    else speed(bench, SPEED_MEMBERS, eps[0]))
+        answer = len(rows) == 1 and rows[0] in ANSWER_ROWS
+        measured = (answer_speed(model, work, args.cache_dir, ANSWER_DOCUMENTS, eps[0], max_tokens, rows[0])
+                    if answer else speed(bench, SPEED_MEMBERS, eps[0]))
         data = {"model": model, "device": device, "date": date, "command": command.strip(), "eps": eps[0],
                 "mechanism": "answer" if answer else "vote", "rows": measured,
                 "platform": platform.platform(), "wall_s": time.perf_counter() - started}

@@ -98,6 +98,8 @@ def aggregate_server(mechanism: str, **settings: object) -> Callable[[Bench, flo
             "aggregate": {"mechanism": mechanism, "epsilon": eps, "delta": DELTA,
                           "total_epsilon": 100 * eps,  # every question of a scenario fits
                           "contexts": bench.collection_files(scenarios),
+                          # every question its own release: the bench measures the mechanism, not reuse
+                          **({"reuse_answers": False} if mechanism == "answer" else {}),
                           **settings},
             "ledger": str(bench.work / f"ledger-{name}.sqlite"),
         }

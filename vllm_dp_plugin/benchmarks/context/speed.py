@@ -71,7 +71,8 @@ def speed(bench: Bench, members: Sequence[int], eps: float, mechanism: str = "vo
     return rows
 
 
-ANSWER_DOCUMENTS = (21, 50, 200)  # --speed --rows aggregate_answer: collection sizes
+ANSWER_DOCUMENTS = (21, 200, 1000)  # --speed --rows aggregate_answer (or aggregate_extract): collection sizes
+ANSWER_ROWS = ("aggregate_answer", "aggregate_extract")  # the answer-level rows --speed and --sweep time
 ANSWER_SPEED_SEED = 7  # their scenarios (generated, not the bundled ones)
 SWEEP_LEVELS = (1, 4, 16)  # --sweep: queries in flight
 SWEEP_DOCUMENTS = 21  # documents per collection of the sweep (answer_speed's smallest size)
@@ -86,16 +87,17 @@ def sweep_scenarios(count: int = SWEEP_SCENARIOS, documents: int = SWEEP_DOCUMEN
 
 
 def answer_speed(model: str, work: Path, cache_dir: Path, counts: Sequence[int], eps: float, max_tokens: int,
-                 log=print) -> list[dict]:
-    """Seconds per answer, one request at a time, of ``full`` and ``aggregate_answer`` at ``eps``
-    over one generated scenario of each document count in ``counts`` (its 7 questions after a
-    warm-up question that fills the prefix cache): how the members' batch grows with the collection."""
+                 private: str = "aggregate_answer", log=print) -> list[dict]:
+    """Seconds per answer, one request at a time, of ``full`` and ``private`` (an ``ANSWER_ROWS``
+    row) at ``eps`` over one generated scenario of each document count in ``counts`` (its 7
+    questions after a warm-up question that fills the prefix cache): how the members' cost grows
+    with the collection."""
     rows = []
     for n in counts:
         scenario = make_scenario(random.Random(ANSWER_SPEED_SEED), 0, extra_docs=n - max(SUPPORTS))
         bench = Bench(model, [scenario], work / f"docs{n}", cache_dir, max_tokens, concurrency=1)
         bench.work.mkdir(exist_ok=True)
-        for name, e in (("full", None), ("aggregate_answer", eps)):
+        for name, e in (("full", None), (private, eps)):
             row = ROWS[name]
             why = bench.misfit(row, [scenario])
             if why is not None:
@@ -113,8 +115,8 @@ def answer_speed(model: str, work: Path, cache_dir: Path, counts: Sequence[int],
 def answer_speed_markdown(data: dict) -> str:
     lines = [f"# Answer-level aggregation speed ({data['model']}, {data['device']}, {data['date']})", "",
              (f"`{data['command']}`; one generated scenario (seed {ANSWER_SPEED_SEED}) per collection size, its "
-              f"questions one at a time after a warm-up question; `aggregate_answer` at eps = {data['eps']:g} per query "
-              "(one member per document)."), "",
+              f"questions one at a time after a warm-up question; the answer-level row at eps = {data['eps']:g} per "
+              "query (one member per document)."), "",
              "| documents | row | s / answer | x full | correct |", "|---|---|---|---|---|"]
     full = {r["documents"]: r["s_per_answer"] for r in data["rows"] if r["row"] == "full"}
     for r in data["rows"]:
@@ -208,18 +210,19 @@ def answer_sweep(model: str, work: Path, cache_dir: Path, levels: Sequence[int],
 
 
 def sweep_markdown(data: dict) -> str:
+    private = next((r["row"] for r in data["rows"] if r["row"] in ANSWER_ROWS), ANSWER_ROWS[0])
     lines = [(f"# Answer-level aggregation throughput under concurrency ({data['model']}, {data['device']}, "
               f"{data['date']})"), "",
              (f"`{data['command']}`; {SWEEP_SCENARIOS} generated collections (seed {ANSWER_SPEED_SEED}) of "
               f"{SWEEP_DOCUMENTS} documents; `full`: stock vLLM with the documents as plain prompt; "
-              f"`aggregate_answer` at eps = {data['eps']:g} per query (one member per document); both on the same "
+              f"`{private}` at eps = {data['eps']:g} per query (one member per document); both on the same "
               "engine settings (KV cache for 16 full requests); max(4, c) questions per measurement with c in "
               f"flight, no prompt asked twice, {data['repeats']} repeats, median."), "",
-             ("| in flight | full answers/s | aggregate_answer answers/s | aggregate / full | correct (full, aggregate) "
+             (f"| in flight | full answers/s | {private} answers/s | aggregate / full | correct (full, aggregate) "
               "| each repeat (full; aggregate) |"), "|---|---|---|---|---|---|"]
     by = {(r["row"], r["in_flight"]): r for r in data["rows"]}
     for c in sorted({r["in_flight"] for r in data["rows"]}):
-        f, a = by.get(("full", c)), by.get(("aggregate_answer", c))
+        f, a = by.get(("full", c)), by.get((private, c))
         ratio = f"{a['answers_per_s'] / f['answers_per_s']:.2f}" if f and a else ""
         cells = [f"{x['answers_per_s']:.3f}" if x else "" for x in (f, a)]
         right = ", ".join(f"{x['correct']} of {x['asked']}" if x else "-" for x in (f, a))
