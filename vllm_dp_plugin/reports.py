@@ -93,7 +93,7 @@ def aggregate_view(agg: AggregatePrivacyConfig, statuses: dict | None, shown: Co
         return aggregate_report(agg, name, statuses[name, None], clients)
 
     return {"enabled": True, "mode": "aggregate", "contexts": [report(name) for name in agg.collection_sources()],
-            "scope": AGGREGATE_SCOPE}
+            "scope": PER_DOCUMENT_SCOPE if agg.per_document else AGGREGATE_SCOPE}
 
 
 def fact_sheet_statement(cfg: FactSheetPrivacyConfig, released: dict) -> dict:
@@ -108,6 +108,8 @@ def fact_sheet_statement(cfg: FactSheetPrivacyConfig, released: dict) -> dict:
 
 
 FACT_SHEET_SCOPE = "per collection: one release, then every query is free (the sheet is public)"
+PER_DOCUMENT_SCOPE = ("per document: each document has its own lifetime cap, spent only by the answers its member "
+                      "votes in (an individual privacy filter); no collection total")
 AGGREGATE_SCOPE = ("per collection: each collection has its own total budget, spent by the queries "
                    "that use it (basic composition over queries)")
 

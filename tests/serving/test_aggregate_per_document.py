@@ -96,6 +96,7 @@ def test_the_statement_states_the_caps_and_no_sum_over_documents(tmp_path, token
     assert report["budget"] == {"per_document": {"epsilon": 12.0, "delta": svc.cfg.total_delta}}
     assert report["max_answers_per_document"] == 24 and report["max_queries"] is None  # 12 / min_epsilon 0.5
     assert "ledger" not in report and "individual privacy filter" in report["composition"]
+    assert svc.statement(())["scope"].startswith("per document")
     text = aggregate_text(report)
     assert "budget of each document (its lifetime cap): (eps=12," in text and "spent" not in text
 
