@@ -128,7 +128,8 @@ def ask(base: str, model: str, question: Question, max_tokens: int, timeout: flo
     receipt = reply.get("dp_receipt", {})
     fact = receipt.get("fact")
     right = None if question.answer is None or fact is None else set(question.answer.split()) <= set(fact.split())
-    return {"kind": question.kind, "repeat": question.repeat, "status": status, "released": bool(fact),
+    return {"question": question.text, "kind": question.kind, "repeat": question.repeat, "status": status,
+            "released": bool(fact),
             "fact": fact, "right": right, "reused": bool(receipt.get("reused")),
             "epsilon": receipt.get("epsilon"), "seconds": time.perf_counter() - start}
 
