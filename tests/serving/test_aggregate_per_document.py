@@ -196,3 +196,30 @@ def test_a_lead_in_shares_the_release_of_the_question_it_asks(tmp_path, tokenize
     again = ask(svc, "Quick question: " + INVENTORY)[1]["dp_receipt"]
     assert again["reused"] and again["noisy_count"] == first["noisy_count"]
     np.testing.assert_allclose(spent(svc), [4.0] * 6 + [0.0] * 6)
+
+
+def test_per_document_budgets_change_no_answer_of_the_bundled_scenarios(tmp_path, tokenizer, monkeypatch):  # noqa: F811
+    """The same release noise (a seeded keyed sampler in place of OpenDP's fresh one) gives the
+    same reply to every shared and secret question of the bundled realistic scenarios with
+    per-document budgets as with one collection total: no document is near its cap, and only
+    documents whose member votes are charged, so every vote is counted as before."""
+    import torch
+
+    from vllm_dp_plugin.benchmarks.lib.scenarios import DEFAULT_SCENARIOS, load_scenarios
+
+    def seeded(self, counts):
+        return self.keyed_release(counts, torch.Generator().manual_seed(len(counts) * 7919 + sum(counts.values())))
+
+    monkeypatch.setattr(ThresholdRelease, "release", seeded)
+    replies = {}
+    for scenario in load_scenarios(DEFAULT_SCENARIOS)[:8]:
+        docs = [(f"d{i}", text) for i, text in enumerate(scenario["documents"])]
+        questions = [q["q"] for q in scenario["questions"] if q["kind"] != "public"]
+        for name, budget in (("collection", {"per_document_epsilon": None}), ("document", {})):
+            where = tmp_path / f"{scenario['id']}-{name}"
+            where.mkdir()
+            svc = per_document(where, tokenizer, docs, on_empty="refuse", reuse_answers=False, **budget)
+            replies[name, scenario["id"]] = [ask(svc, q)[1]["choices"][0]["message"]["content"] for q in questions]
+    for (name, sid), got in replies.items():
+        assert got == replies["collection", sid], sid
+    assert sum(r.startswith("From the documents") for (n, _), rs in replies.items() if n == "document" for r in rs) > 10
