@@ -255,7 +255,8 @@ def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
         data = {"model": model, "device": device, "date": date, "command": command.strip(), "eps": eps[0],
                 "mechanism": "answer" if answer else "vote", "rows": measured,
                 "platform": platform.platform(), "wall_s": time.perf_counter() - started}
-        stem = args.out / f"context-{'answer-' if answer else ''}speed-{device}-{date}"
+        kind = rows[0].removeprefix("aggregate_") + "-" if answer else ""  # answer- / extract-
+        stem = args.out / f"context-{kind}speed-{device}-{date}"
         write_json(suffixed(stem, ".json"), data, indent=1)
         write_text(suffixed(stem, ".md"), (answer_speed_markdown if answer else speed_markdown)(data))
         print(suffixed(stem, ".md").read_text())
