@@ -21,7 +21,9 @@ instruction), so it adds no sensitivity beyond the member's own documents:
    "Westgate", "Seattle"), one of those names: a member that answers with another fact of its
    documents, or with the same property of another site, abstains;
 5. the key is the **answer phrase** around the answer's rarest such word (lowest public
-   frequency, numbers counted rarer: ``rarity``; ties: longer, then alphabetical): its neighbours in the answer join while the
+   frequency, numbers counted rarer: ``rarity``; ties: longer, then alphabetical; but where the
+   answer holds the noun a "which"/"what" question asks for after a voting word, that word:
+   "south entrance" of "Suppliers should bring deliveries to the south entrance"): its neighbours in the answer join while the
    phrase stays a run of words of one relevant sentence of the documents (at most
    ``MAX_PHRASE`` words) and each is a voting word ("regional manager", "drakbre skomthu"), a
    number, a unit after a number ("8 am", "two years"), a capitalised or question word just
@@ -216,6 +218,9 @@ def answer_key(answer: str, documents: Sequence[str], question: str, public: Ite
     if not ranked:
         return None
     *_, at = min(ranked)
+    # "Which entrance ...?": the word before the asked-for noun is the answer ("south entrance"),
+    # however rare the sentence's other words ("Suppliers should bring deliveries to the south entrance")
+    at = next((i - 1 for i, w in enumerate(r.spelled) if w in r.kind and i > 0 and r.voting[i - 1]), at)
     start, end = phrase_at(r, at)
     return " ".join(r.spelled[start:end])
 
