@@ -72,6 +72,7 @@ def test_a_repeated_question_reuses_its_release_free_until_the_collection_change
     assert again["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"] == FACT
     assert again["dp_receipt"]["reused"] and again["dp_receipt"]["epsilon"] == 0.0
     assert again["dp_receipt"]["noisy_count"] == first["dp_receipt"]["noisy_count"]
+    assert isinstance(again["dp_receipt"]["noisy_count"], int)  # as the first receipt wrote it (was 6.0)
     np.testing.assert_allclose(spent(svc), [4.0] * 6 + [0.0] * 6)  # charged once
     other_eps = ask(svc, INVENTORY, dp_epsilon=2.0)[1]["dp_receipt"]  # another epsilon: a new release
     assert not other_eps["reused"]

@@ -35,7 +35,7 @@ class ReleasedAnswer:
     noisy count, and the (epsilon, delta) it was released at."""
 
     fact: str | None
-    noisy_count: float | None
+    noisy_count: int | None
     epsilon: float
     delta: float
 
@@ -57,7 +57,10 @@ class AnswerReleases:
         with self.store.transaction(write=False) as tx:
             row = tx.one("SELECT fact, noisy_count, epsilon, delta FROM answer_releases WHERE key = ? AND "
                          "question = ?", (self._key.label("answer-release/key"), label))
-        return None if row is None else ReleasedAnswer(*row)
+        if row is None:
+            return None
+        fact, count, epsilon, delta = row
+        return ReleasedAnswer(fact, None if count is None else int(count), epsilon, delta)  # counts are integers
 
     def put(self, label: str, answer: ReleasedAnswer) -> None:
         """Keep ``answer`` under ``label`` unless one is kept already (the first release stays)."""
