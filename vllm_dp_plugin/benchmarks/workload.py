@@ -235,9 +235,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return p
 
 
+def build_parser(prog: str = "vllm-dp bench workload") -> argparse.ArgumentParser:
+    return add_cli_args(argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0]))
+
+
 def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
-    args, argv = parse(args, lambda prog="vllm-dp bench workload": add_cli_args(
-        argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])))
+    args, argv = parse(args, build_parser)
     modes = [m for m in args.modes.split(",") if m]
     unknown = sorted(set(modes) - set(MODES))
     if unknown:
