@@ -157,6 +157,55 @@ def test_a_package_s_modules_import_one_another_without_a_cycle(package):
     assert not _cycle(graph), f"import cycle in {package}/: {' -> '.join(_cycle(graph))}"
 
 
+def _module_name(path: Path) -> str:
+    """``vllm_dp_plugin.a.b`` for ``a/b.py`` (``a/__init__.py``: ``vllm_dp_plugin.a``)."""
+    parts = _package_path(path)
+    parts = (*parts[:-1], Path(parts[-1]).stem)
+    return ".".join(("vllm_dp_plugin", *(parts[:-1] if parts[-1] == "__init__" else parts)))
+
+
+def _import_edges(source: str, module: str, is_package: bool, known: set[str]) -> set[str]:
+    """The modules of ``known`` that ``module`` imports anywhere (function bodies and
+    ``TYPE_CHECKING`` blocks too): ``from X import y`` is an edge to ``X.y`` where that is a
+    module, else to ``X``."""
+    package = module if is_package else module.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, *([base] if base else [])])
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+        else:
+            continue
+        out |= {t for t in targets if t in known and t != module}
+    return out
+
+
+def test_no_import_cycle_anywhere_in_the_package():
+    """Every module of vllm_dp_plugin (kernels included), every import anywhere in it: no cycle
+    (three were there: bench context's report, rows and running; bench train's methods and spec;
+    cli, calibration and serving/launch)."""
+    files = {_module_name(p): p for p in _all_files()}
+    graph = {name: _import_edges(p.read_text(encoding="utf-8"), name, p.name == "__init__.py", set(files))
+             for name, p in files.items()}
+    assert not _cycle(graph), f"import cycle: {' -> '.join(_cycle(graph))}"
+
+
+def test_the_package_wide_check_resolves_each_import_form():
+    known = {"vllm_dp_plugin.cli", "vllm_dp_plugin.calibration", "vllm_dp_plugin.serving.launch",
+             "vllm_dp_plugin.serving"}
+    src = "def f():\n    from ..cli import X\nfrom ..calibration import run\nfrom . import launch\n"
+    assert _import_edges(src, "vllm_dp_plugin.serving.launch", False, known) == {
+        "vllm_dp_plugin.calibration", "vllm_dp_plugin.cli"}  # a function's import counts; itself does not
+    assert _import_edges("import vllm_dp_plugin.serving.launch\n", "vllm_dp_plugin.cli", False, known) == {
+        "vllm_dp_plugin.serving.launch"}
+    assert _import_edges("from .cli import X\n", "vllm_dp_plugin.calibration", False, known) == {"vllm_dp_plugin.cli"}
+
+
 def test_the_cycle_check_sees_a_cycle():
     """The cycle the release modes once had (modes imported them, they imported its types back
     under TYPE_CHECKING) fails; relative and absolute forms are both seen."""

@@ -35,6 +35,8 @@ from .attention.calibration_file import KINDS, Calibration
 from .attention.mapping import HeadMapping
 
 CAPTURE_IMPL = "vllm_dp_capture"
+CALIBRATE_EXAMPLE = ("vllm-dp calibrate .models/smollm2-135m-instruct "
+                     "--out .models/smollm2-135m-instruct-calibration.json")  # `vllm-dp calibrate --help`'s example
 DEFAULT_SOURCE = "pydoc_data.topics (English help text bundled with CPython)"
 SAMPLE_RATE = 16_000
 
@@ -399,7 +401,6 @@ def _num(x: float | None) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     from .benchmarks.lib.cli import ExampleHelpFormatter, example
-    from .cli import CALIBRATE_EXAMPLE
 
     parser = argparse.ArgumentParser(
         prog="vllm-dp calibrate",

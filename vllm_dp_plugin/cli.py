@@ -36,11 +36,10 @@ import json
 import sys
 
 from .benchmarks.lib.cli import ExampleHelpFormatter, example
+from .calibration import CALIBRATE_EXAMPLE
 from .config import ConfigError, parse_section, section_from_file
 from .models import IMPORTERS, ModelImportError, import_model
 
-CALIBRATE_EXAMPLE = ("vllm-dp calibrate .models/smollm2-135m-instruct "
-                     "--out .models/smollm2-135m-instruct-calibration.json")
 PRIVATIZE_EXAMPLE = ("vllm-dp privatize --mechanism trlap_corrected --eps 10 --model .models/smollm2-135m-instruct "
                      "'My card number is 4111 1111 1111 1111'")
 

@@ -6,14 +6,28 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import Protocol
 
 from vllm_dp_plugin.aggregate.facts import FactSheet
 from vllm_dp_plugin.benchmarks.lib.scenarios import ChatLayout
 from vllm_dp_plugin.benchmarks.lib.vllm import LAUNCH, VLLM_DP
 
-if TYPE_CHECKING:
-    from vllm_dp_plugin.benchmarks.context.running import Bench
+
+class Bench(Protocol):
+    """What a row's server needs of the run (``running.Bench``): its model, work directory,
+    engine flags, calibration and the scenarios' files."""
+
+    model: str
+    work: Path
+
+    def engine_flags(self) -> list[str]: ...
+
+    def calibration(self) -> Path: ...
+
+    def context_files(self, scenarios: Sequence[dict]) -> dict[str, str]: ...
+
+    def collection_files(self, scenarios: Sequence[dict]) -> dict[str, str]: ...
 
 
 DOCUMENT_TOKENS = 128  # unit document rows: the bundled scenarios' longest document is 85 SmolLM2 tokens

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -14,9 +14,6 @@ from torch import nn
 from vllm_dp_plugin.benchmarks.lib.scenarios import load_causal_lm
 from vllm_dp_plugin.trainer.engine import causal_lm_per_sample_loss
 from vllm_dp_plugin.trainer.lora import LoraSpec, apply_lora
-
-if TYPE_CHECKING:
-    from vllm_dp_plugin.benchmarks.train.methods import Method
 
 
 @dataclass(frozen=True)
@@ -108,7 +105,14 @@ def load_model(path: str, tied: bool, seed: int, device: torch.device) -> nn.Mod
     return model.to(device).train()
 
 
-def make_model(spec: BenchSpec, method: Method, device: torch.device) -> nn.Module:
+class ModelChoice(Protocol):
+    """What ``make_model`` reads of a method (``methods.Method``)."""
+
+    tied: bool
+    lora: bool
+
+
+def make_model(spec: BenchSpec, method: ModelChoice, device: torch.device) -> nn.Module:
     """The method's model: the preset's random GPT-2 or ``spec.model``'s weights, wrapped by
     ``apply_lora(spec.lora)`` for a LoRA method (fresh adapters, ``lora_B = 0``, base frozen)."""
     if spec.model:
