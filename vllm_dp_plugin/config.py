@@ -326,6 +326,13 @@ class AggregatePrivacyConfig:
     document whose cap would be exceeded stops taking part (``privacy.document_ledger``: an
     individual filter per document); ``total_epsilon``/``total_delta`` then do not apply and no
     query gets 429 for the collection's budget; a client's ``share`` applies to each document's cap.
+    ``answer_batch`` (``mechanism: answer``, ``answer_member: model``, one member per document):
+    a query runs exactly that many members: those whose documents can answer the question
+    (``aggregate.answer.can_answer``, a function of the document and the question), the first in
+    a keyed order of the question and the document's id when more can, padded with members that
+    see no document; the engine's work and the reply's time are the same whatever the documents.
+    One document can then move two counts (its vote, and the one it displaces from the batch),
+    so the release is calibrated for l0 = 2, and a document is charged when its member runs.
     ``reuse_answers`` (default on, ``mechanism: answer``): a question asked again of the same
     collection at the same epsilon gets the earlier release, charged to nobody
     (``privacy.answer_releases``).
@@ -370,9 +377,15 @@ class AggregatePrivacyConfig:
     per_document_epsilon: float | None = None
     per_document_delta: float | None = None
     reuse_answers: bool = True
+    answer_batch: int | None = None
 
     def __post_init__(self) -> None:
         _choice(self.mechanism, (*AGGREGATION_MECHANISMS, ANSWER), "aggregate.mechanism")
+        if self.answer_batch is not None:
+            _check(check_count, self.answer_batch, "aggregate.answer_batch")
+            if self.mechanism != ANSWER or self.answer_member != "model" or self.answer_members is not None:
+                raise ConfigError("aggregate.answer_batch needs mechanism: answer, answer_member: model and one "
+                                  "member per document (aggregate.answer_members unset)")
         if not isinstance(self.reuse_answers, bool):
             raise ConfigError(f"aggregate.reuse_answers must be true or false, got {self.reuse_answers!r}")
         if not isinstance(self.allow_batch_variance, bool):

@@ -530,8 +530,9 @@ def aggregation_params(cfg: AggregatePrivacyConfig, epsilon: float | None = None
 def answer_l0(cfg: AggregatePrivacyConfig) -> int:
     """How many keys' counts one document moves under ``mechanism: answer``: 1 with a member per
     document (its vote comes or goes), 2 with ``answer_members`` (a member of several documents
-    may switch its vote from one key to another when one of them is removed)."""
-    return 1 if cfg.answer_members is None else 2
+    may switch its vote from one key to another when one of them is removed) or ``answer_batch``
+    (a document that runs displaces another from the batch)."""
+    return 1 if cfg.answer_members is None and cfg.answer_batch is None else 2
 
 
 @functools.lru_cache(maxsize=256)
@@ -574,6 +575,9 @@ def aggregate_report(cfg: AggregatePrivacyConfig, name: str, ledger: BudgetStatu
     if isinstance(params, AnswerParams):
         release = params.release
         members = "one per document" if cfg.answer_members is None else f"{cfg.answer_members} by keyed hash"
+        if cfg.answer_batch is not None:
+            members += (f", {cfg.answer_batch} run per query (documents that can answer, in a keyed order; padded "
+                        "with members that see no document)")
         report.update(members=members, member_votes=("read from its own documents by rule, no model "
                                                       "(answer_member: extract)") if cfg.reads_members else
                       "the model's answer from its own documents, read against them (answer_member: model)",

@@ -158,11 +158,10 @@ def read(answer: str, documents: Sequence[str], question: str, public: Iterable[
     subject."""
     lines = answer.strip().splitlines()
     first = ORDINAL.sub("", THOUSANDS.sub("", lines[0])) if lines else ""
-    asked, subject = property_words(focus(question)), set(subject_words(focus(question)))
-    names = set(subject)  # restated only as written: "west" does not restate "Westgate"
+    names = set(subject_words(focus(question)))  # restated only as written: "west" does not restate "Westgate"
     restating = [w for text in (question, *public) for w in words(text) if w not in names] + list(NONE_WORDS)
-    sentences = [words(ORDINAL.sub("", THOUSANDS.sub("", s))) for d in documents for s in SENTENCE.split(d)]
-    relevant = [s for s in sentences if _related(set(s), asked) and (not subject or subject & set(s))]
+    sentences = document_sentences(documents)
+    relevant = relevant_sentences(sentences, question)
     within = set().union(*relevant) if relevant else set()
     own = set().union(*sentences) if sentences else set()
     raw = WORD.findall(unicodedata.normalize("NFKC", first))
@@ -173,6 +172,26 @@ def read(answer: str, documents: Sequence[str], question: str, public: Iterable[
     asked_as_written = set(words(question))
     labels = [t[:1].isupper() or w in asked_as_written for t, w in zip(raw, spelled, strict=True)]
     return Reading(spelled, voting, restated, labels, relevant, answer_kind(focus(question)))
+
+
+def document_sentences(documents: Sequence[str]) -> list[list[str]]:
+    """The words of each sentence of ``documents`` (thousands separators and ordinal suffixes
+    dropped, as in an answer)."""
+    return [words(ORDINAL.sub("", THOUSANDS.sub("", s))) for d in documents for s in SENTENCE.split(d)]
+
+
+def relevant_sentences(sentences: Sequence[list[str]], question: str) -> list[list[str]]:
+    """The relevance check: the sentences that hold a word of what the question asks about and,
+    when it names one, its subject."""
+    asked, subject = property_words(focus(question)), set(subject_words(focus(question)))
+    return [s for s in sentences if _related(set(s), asked) and (not subject or subject & set(s))]
+
+
+def can_answer(documents: Sequence[str], question: str) -> bool:
+    """Whether a member over ``documents`` may vote at all: without a relevant sentence every
+    word of any answer fails the relevance check, so it abstains whatever the model says and need
+    not run (``aggregate.answer_batch``). A function of its documents and the question only."""
+    return bool(relevant_sentences(document_sentences(documents), question))
 
 
 def has_digit(word: str) -> bool:

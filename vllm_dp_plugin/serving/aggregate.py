@@ -52,7 +52,7 @@ from dataclasses import dataclass
 import numpy as np
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from ..aggregate.answer import answer_key, extract_key, focus
+from ..aggregate.answer import answer_key, can_answer, extract_key, focus
 from ..aggregate.decode import Aggregator, TopLogprobs, generate
 from ..aggregate.documents import load_collection, member_texts
 from ..aggregate.reply import FROM_DOCUMENTS, GENERAL_KNOWLEDGE, NOT_FROM_DOCUMENTS
@@ -81,8 +81,9 @@ ANSWER_SYSTEM = "Document: {documents}\n\n{instruction}"
 OPTION_EPSILON = "dp_epsilon"
 OPTIONS = ("dp_context", OPTION_EPSILON)
 RECEIPT_HEADER = "x-dp-receipt"
-PER_DOCUMENT_CHARGE = ("epsilon and delta to each document whose member voted, within its own lifetime cap "
-                       "(aggregate.per_document_epsilon); how many did is not stated")
+PER_DOCUMENT_CHARGE = ("epsilon and delta to each document whose member voted (with aggregate.answer_batch: "
+                       "ran), within its own lifetime cap (aggregate.per_document_epsilon); how many did is not "
+                       "stated")
 RECEIPT_FIELD = "dp_receipt"
 # request fields this mode cannot honour (400 naming the field): they would expose the members'
 # aggregate before noise, or ask for several samples or forced tokens
@@ -272,10 +273,11 @@ class EngineSource:
 
         return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
 
-    async def member_answers(self, collection: ServedCollection, prompts: list[list[int]],
-                             max_tokens: int) -> list[list[int]]:
+    async def member_answers(self, prompts: list[list[int]], salts: list[str],
+                             vocabularies: Sequence[frozenset[int] | None], max_tokens: int) -> list[list[int]]:
         """Each member's greedy token ids, exactly ``max_tokens`` of them, all in one batch, each
-        under its salt (``salts``: an empty member's fresh per query) (``mechanism: answer``).
+        under its salt (``AggregateService.member_batch``: the secret one where the prompt holds
+        documents, a fresh one per query where it does not) (``mechanism: answer``).
         No member stops early: EOS is ignored and
         there are no stop strings (``member_text`` cuts the answer afterwards), so every member
         decodes the same public number of steps and the reply's time does not tell how long
@@ -283,10 +285,9 @@ class EngineSource:
         would otherwise time a matching document)."""
         from vllm import SamplingParams
 
-        vocabularies = collection.member_vocabularies or (None,) * len(prompts)
         params = [SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False,
                                  allowed_token_ids=None if vocab is None else sorted(vocab)) for vocab in vocabularies]
-        batch, salts = uuid.uuid4().hex, self.salts(collection, os.urandom(16).hex())
+        batch = uuid.uuid4().hex
         outputs = await asyncio.gather(*(self._output(ids, salt, p, f"dpans-{batch}-{i}")
                                          for i, (ids, salt, p) in enumerate(zip(prompts, salts, params, strict=True))))
         return [list(o.token_ids) for o in outputs]
@@ -301,6 +302,17 @@ class EngineSource:
         async for out in self.engine.generate(tokens_input(prompt, cache_salt=os.urandom(16).hex()), params,
                                               f"dpans-{uuid.uuid4().hex}"):
             yield out.outputs[0]
+
+
+@dataclass(frozen=True)
+class MemberBatch:
+    """The member requests of one query: ``run``, the members (indices) whose answers vote, then
+    padding; each prompt's cache salt and allowed tokens. SECRET: which members run."""
+
+    run: list[int]
+    prompts: list[list[int]]
+    salts: list[str]
+    vocabularies: list[frozenset[int] | None]
 
 
 class RequestError(Exception):
@@ -379,6 +391,7 @@ class AggregateService:
         choices = -1 if cfg.choices is None else cfg.choices
         self.source = EngineSource(engine_client, choices, 1 if cfg.mechanism == "vote" else choices,
                                    key.mac("aggregate/cache-salt", "members").hex())
+        self.key = key
         self.statements = SharedStatement(cfg, self.ledger)
         store = self.ledger.store
         self.documents = DocumentLedger(key, store) if cfg.per_document else None
@@ -426,12 +439,33 @@ class AggregateService:
                                     "statement")
         return (client.name,)
 
-    def member_keys(self, answers: list[list[int]], collection: ServedCollection, question: str) -> list[str | None]:
+    def member_keys(self, answers: list[list[int]], documents: Sequence[tuple[str, ...]],
+                    question: str) -> list[str | None]:
         """Each member's vote (None: it abstains): its answer (``member_text``) read against its
-        own documents and the public question (``aggregate.answer``)."""
+        own ``documents`` and the public question (``aggregate.answer``)."""
         public = (self.cfg.answer_instruction,)
         return [answer_key(member_text(self.tokenizer, ids, self.stop_ids), docs, question, public)
-                for ids, docs in zip(answers, collection.member_documents, strict=True)]
+                for ids, docs in zip(answers, documents, strict=True)]
+
+    def member_batch(self, collection: ServedCollection, members: list[list[int]], public: list[int],
+                     question: str, active: Sequence[bool]) -> MemberBatch:
+        """The members a query runs (``mechanism: answer``, members that answer): every one; with
+        ``answer_batch`` K, exactly K prompts: the members that are active and whose documents
+        can answer (``can_answer``), the first K in a keyed order of the question and the
+        document's id, then members that see no document (the public sequence, a fresh salt).
+        Every member is checked (no early exit), so the time does not tell how many can answer."""
+        fresh = os.urandom(16).hex()
+        salts = self.source.salts(collection, fresh)
+        vocabularies = collection.member_vocabularies or (None,) * len(members)
+        k = self.cfg.answer_batch
+        if k is None:
+            return MemberBatch(list(range(len(members))), members, salts, list(vocabularies))
+        able = [i for i, (docs, on) in enumerate(zip(collection.member_documents, active, strict=True))
+                if can_answer(docs, question) and on]
+        run = sorted(able, key=lambda i: self.key.mac("aggregate/batch", question, collection.member_ids[i]))[:k]
+        pad = k - len(run)
+        return MemberBatch(run, [members[i] for i in run] + [list(public)] * pad,
+                           [salts[i] for i in run] + [fresh] * pad, [vocabularies[i] for i in run] + [None] * pad)
 
     @staticmethod
     def extracted_keys(collection: ServedCollection, question: str) -> list[str | None]:
@@ -768,13 +802,24 @@ class _AnswerQuery(_Query):
         collection = service.collections[self.name]
         # the keys' CPU time depends on the answers (or the documents): off the event loop; every
         # member is read, active or not, so the time does not tell how many are
+        active = self.reservation.active if service.documents is not None else np.ones(len(self.members), bool)
+        took_part = None  # answer_batch: the members that ran (a document that runs is charged)
         if cfg.reads_members:
             keys = await asyncio.to_thread(service.extracted_keys, collection, self.question)
         else:
-            answers = await service.source.member_answers(collection, self.members, cfg.answer_tokens)
-            keys = await asyncio.to_thread(service.member_keys, answers, collection, self.question)
+            batch = await asyncio.to_thread(service.member_batch, collection, self.members, self.public,
+                                            self.question, active)
+            answers = await service.source.member_answers(batch.prompts, batch.salts, batch.vocabularies,
+                                                          cfg.answer_tokens)
+            ran = await asyncio.to_thread(service.member_keys, answers[:len(batch.run)],
+                                          [collection.member_documents[i] for i in batch.run], self.question)
+            keys = [None] * len(self.members)
+            for i, key in zip(batch.run, ran, strict=True):
+                keys[i] = key
+            if cfg.answer_batch is not None:
+                took_part = np.isin(np.arange(len(self.members)), batch.run)
         if service.documents is not None:
-            self.charged = np.array([k is not None for k in keys]) & self.reservation.active
+            self.charged = (np.array([k is not None for k in keys]) if took_part is None else took_part) & active
             keys = [k if c else None for k, c in zip(keys, self.charged, strict=True)]
         released = self.params.release.release(dict(Counter(filter(None, keys))))
         self.fact = max(released, key=lambda k: (released[k], k)) if released else None

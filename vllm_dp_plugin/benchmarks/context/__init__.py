@@ -36,7 +36,9 @@ Rows (``ROWS``, one entry per way of serving; a new mechanism is one more entry)
   with the recommended settings), each scenario's documents one collection, eps per query; the
   request is the user turn alone (the public sequence; members get their documents before it);
   ``aggregate_answer``: the same collections under ``mechanism: answer`` (one DP release per
-  answer; eps = 1e7 is its noise-free row: threshold 2, no noise); ``aggregate_extract``: the
+  answer; eps = 1e7 is its noise-free row: threshold 2, no noise); ``aggregate_answer_batch``: the
+  same with exactly 8 members run per query, those whose documents can answer
+  (``answer_batch: 8``, l0 = 2); ``aggregate_extract``: the
   same with ``answer_member: extract`` (no model runs for a member: each reads its document).
 
 ``--speed`` measures time per output token instead (``speed``).
@@ -150,10 +152,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="measure time per output token instead: stock (full context as plain prompt) vs "
                              f"aggregate_vote at k = {', '.join(map(str, SPEED_MEMBERS))} (first --eps), one request "
                              "at a time, and throughput at --concurrency; with --rows aggregate_answer (or "
-                             "aggregate_extract): seconds per answer of full and that row over "
+                             "aggregate_answer_batch, aggregate_extract): seconds per answer of full and that row over "
                              f"{', '.join(map(str, ANSWER_DOCUMENTS))} documents")
     parser.add_argument("--sweep", metavar="LEVELS",
-                        help="with --speed and --rows full and aggregate_answer or aggregate_extract (or one of "
+                        help="with --speed and --rows full and one of aggregate_answer, aggregate_answer_batch, "
+                             "aggregate_extract (or one of "
                              "them): answers/s at each of these "
                              f"numbers of questions in flight (comma-separated, e.g. 1,4,16), {SWEEP_REPEATS} "
                              "repeats, median, on generated collections (one locked timed run per row)")
@@ -235,7 +238,8 @@ def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
     command = "vllm-dp bench context" + ("" if argv is None else " " + " ".join(argv))
     if args.speed and args.sweep:
         if not rows or set(rows) - {"full", *ANSWER_ROWS} or len(set(rows) & set(ANSWER_ROWS)) > 1:
-            raise SystemExit("--sweep measures --rows full and one of aggregate_answer, aggregate_extract (either "
+            raise SystemExit("--sweep measures --rows full and one of aggregate_answer, aggregate_answer_batch, "
+                             "aggregate_extract (either "
                              "alone: one timed run each)")
         levels = [int(c) for c in args.sweep.split(",") if c]
         measured = answer_sweep(model, work, args.cache_dir, levels, eps[0], max_tokens, rows=rows)

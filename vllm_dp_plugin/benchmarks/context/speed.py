@@ -72,7 +72,7 @@ def speed(bench: Bench, members: Sequence[int], eps: float, mechanism: str = "vo
 
 
 ANSWER_DOCUMENTS = (21, 200, 1000)  # --speed --rows aggregate_answer (or aggregate_extract): collection sizes
-ANSWER_ROWS = ("aggregate_answer", "aggregate_extract")  # the answer-level rows --speed and --sweep time
+ANSWER_ROWS = ("aggregate_answer", "aggregate_answer_batch", "aggregate_extract")  # the answer-level rows --speed and --sweep time
 ANSWER_SPEED_SEED = 7  # their scenarios (generated, not the bundled ones)
 SWEEP_LEVELS = (1, 4, 16)  # --sweep: queries in flight
 SWEEP_DOCUMENTS = 21  # documents per collection of the sweep (answer_speed's smallest size)
