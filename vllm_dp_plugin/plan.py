@@ -521,7 +521,12 @@ def aggregation_params(cfg: AggregatePrivacyConfig, epsilon: float | None = None
         raise ValueError(f"dp_epsilon must lie in [{cfg.min_epsilon:g}, {cfg.cap:g}] (aggregate.min_epsilon, "
                          f"aggregate.max_epsilon), got {eps:g}")
     if cfg.mechanism == ANSWER:
-        return _answer_params(eps, cfg.delta, answer_l0(cfg))
+        params = _answer_params(eps, cfg.delta, answer_l0(cfg))
+        if cfg.answer_batch is not None and params.release.threshold > cfg.answer_batch:
+            raise ValueError(f"aggregate.answer_batch={cfg.answer_batch} members can never reach the release "
+                             f"threshold {params.release.threshold} at eps {eps:g} (l0 = 2): nothing would ever be "
+                             "released; raise answer_batch or the epsilon")
+        return params
     return _aggregation_params(cfg.mechanism, cfg.members, eps, cfg.delta, cfg.max_private_tokens,
                                cfg.gate_fraction, cfg.clip, cfg.threshold, cfg.choices, cfg.confidence,
                                cfg.min_epsilon)

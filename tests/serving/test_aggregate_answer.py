@@ -219,7 +219,7 @@ def strip_query_ids(body: dict) -> dict:
 
 @pytest.mark.parametrize(("member", "budgets"), [("model", {}), ("extract", {}),
                                                 ("extract", {"per_document_epsilon": 40.0}),
-                                                ("model", {"answer_batch": 4, "per_document_epsilon": 40.0})])
+                                                ("model", {"answer_batch": 10, "per_document_epsilon": 40.0})])
 @pytest.mark.parametrize("removed", ["secret", "other", "d3"])
 def test_neighbouring_collections_give_the_same_bytes_but_for_the_dp_outputs(tmp_path, tokenizer, caplog, removed,  # noqa: F811
                                                                              member, budgets):
@@ -290,14 +290,15 @@ def test_answer_member_extract_reads_the_documents_and_runs_no_member(tmp_path, 
 
 
 def test_answer_batch_runs_exactly_k_members_only_where_a_document_can_answer(tmp_path, tokenizer):  # noqa: F811
-    """``answer_batch: 4``: every query sends exactly four member requests to the engine (the
-    ``ignore_eos`` ones), whatever the documents: for a question no document can answer, four
+    """``answer_batch: 6``: every query sends exactly six member requests to the engine (the
+    ``ignore_eos`` ones), whatever the documents: for a question no document can answer, six
     members that see no document (and, with per-document budgets, no document is charged); for
-    one most documents can answer, four of them, in a keyed order of the question and the ids.
-    Replies and receipts have the same shape; the release is calibrated for l0 = 2."""
+    one most documents can answer, six of them, in a keyed order of the question and the ids.
+    Replies and receipts have the same shape; the release is calibrated for l0 = 2 (threshold 5
+    at eps 8)."""
     import numpy as np
 
-    svc, engine = answer_service(tmp_path, tokenizer, answer_batch=4, epsilon=8.0, max_epsilon=8.0,
+    svc, engine = answer_service(tmp_path, tokenizer, answer_batch=6, epsilon=8.0, max_epsilon=8.0,
                                  per_document_epsilon=80.0, reuse_answers=False)
     assert svc.statement(())["contexts"][0]["selection"]["keys_per_document"] == 2
 
@@ -309,16 +310,16 @@ def test_answer_batch_runs_exactly_k_members_only_where_a_document_can_answer(tm
         return sent, body
 
     sent, body = members("What is the capital of France?")
-    assert len(sent) == 4 and not any("Document:" in tokenizer.decode(c["ids"]) for c in sent)
+    assert len(sent) == 6 and not any("Document:" in tokenizer.decode(c["ids"]) for c in sent)
     assert not body["dp_receipt"]["released"]
     labels = svc.document_labels["c"]
     assert not svc.documents.spent("c", labels)[:, 0].any()  # no document could answer: none charged
     sent, body = members(INVENTORY)
     with_documents = [c for c in sent if "Document:" in tokenizer.decode(c["ids"])]
-    assert len(sent) == 4 and len(with_documents) == 4
-    assert np.count_nonzero(svc.documents.spent("c", labels)[:, 0]) == 4  # the four that ran, voted or not
+    assert len(sent) == 6 and len(with_documents) == 6
+    assert np.count_nonzero(svc.documents.spent("c", labels)[:, 0]) == 6  # the six that ran, voted or not
     again, _ = members(INVENTORY)
-    assert [c["ids"] for c in again] == [c["ids"] for c in sent]  # the same four: a keyed order, not chance
+    assert [c["ids"] for c in again] == [c["ids"] for c in sent]  # the same six: a keyed order, not chance
 
 
 def test_answer_batch_is_refused_where_it_cannot_apply():
@@ -327,3 +328,16 @@ def test_answer_batch_is_refused_where_it_cannot_apply():
     for settings in ({"mechanism": "vote"}, {"answer_member": "extract"}, {"answer_members": 8}):
         with pytest.raises(ConfigError, match="aggregate.answer_batch needs mechanism: answer"):
             AggregatePrivacyConfig(contexts={"c": "d.jsonl"}, **{"mechanism": "answer", "answer_batch": 4, **settings})
+
+
+def test_an_answer_batch_below_the_release_threshold_is_refused(tmp_path, tokenizer):  # noqa: F811
+    """Eight members can never reach the threshold of 9 (eps 4, l0 = 2): the server refuses to
+    start (naming the key), and a request for an epsilon whose threshold exceeds the batch gets a 400."""
+    from vllm_dp_plugin.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"aggregate.answer_batch=8 members can never reach the release threshold 9"):
+        answer_service(tmp_path, tokenizer, answer_batch=8)
+    (tmp_path / "ok").mkdir()
+    svc, _ = answer_service(tmp_path / "ok", tokenizer, answer_batch=12)
+    status, body = ask(svc, INVENTORY, vllm_xargs={"dp_epsilon": 1.0})
+    assert status == 400 and "dp_epsilon" in body["error"]["message"] and "answer_batch=12" in body["error"]["message"]

@@ -375,6 +375,10 @@ class AggregateService:
         self.cfg, self.engine, self.tokenizer, self.model_name = cfg, engine_client, tokenizer, model_name
         self.max_model_len = max_model_len
         self.member_bound = member_bound(cfg, max_model_len)
+        try:  # the default query must be able to release something (answer_batch against its threshold)
+            aggregation_params(cfg)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         self.stop_ids = stop_ids
         self.collections = {c.name: c for c in load_collections(cfg, tokenizer, key, self.member_bound, stop_ids)}
         # the deployment's store (dp_privacy.ledger); default: beside the key, earlier JSONL imported

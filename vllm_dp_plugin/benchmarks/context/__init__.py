@@ -37,8 +37,8 @@ Rows (``ROWS``, one entry per way of serving; a new mechanism is one more entry)
   request is the user turn alone (the public sequence; members get their documents before it);
   ``aggregate_answer``: the same collections under ``mechanism: answer`` (one DP release per
   answer; eps = 1e7 is its noise-free row: threshold 2, no noise); ``aggregate_answer_batch``: the
-  same with exactly 8 members run per query, those whose documents can answer
-  (``answer_batch: 8``, l0 = 2); ``aggregate_extract``: the
+  same with exactly 16 members run per query, those whose documents can answer
+  (``answer_batch: 16``, l0 = 2); ``aggregate_extract``: the
   same with ``answer_member: extract`` (no model runs for a member: each reads its document).
 
 ``--speed`` measures time per output token instead (``speed``).

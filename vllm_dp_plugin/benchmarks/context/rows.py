@@ -224,9 +224,9 @@ ROWS: dict[str, Row] = {
     "aggregate_answer": Row("DP aggregation once per answer: one member per document answers, one DP partition "
                             "selection releases the fact enough members agree on, the model answers with it (unit: "
                             "one document, eps per query)", True, aggregate_server("answer"), aggregate_request),
-    "aggregate_answer_batch": Row("as aggregate_answer, but each query runs exactly 8 members, those whose document "
-                                  "can answer the question (answer_batch: 8; l0 = 2)",
-                                  True, aggregate_server("answer", answer_batch=8), aggregate_request),
+    "aggregate_answer_batch": Row("as aggregate_answer, but each query runs exactly 16 members, those whose "
+                                  "document can answer the question (answer_batch: 16; l0 = 2: threshold 9 at eps 4)",
+                                  True, aggregate_server("answer", answer_batch=16), aggregate_request),
     "aggregate_extract": Row("as aggregate_answer, but no model runs for a member: each reads its document by rule "
                              "(answer_member: extract) and votes for the phrase of its clause that answers",
                              True, aggregate_server("answer", answer_member="extract"), aggregate_request),
