@@ -11,15 +11,9 @@ import pytest
 
 from vllm_dp_plugin.privacy.accountant import Budget
 from vllm_dp_plugin.privacy.document_ledger import DocumentLedger
-from vllm_dp_plugin.privacy.keyed_noise import NoiseKey
 from vllm_dp_plugin.privacy.query_ledger import Quota
 
 CAP, COST = Budget(10.0, 1e-5), Budget(4.0, 1e-6)
-
-
-@pytest.fixture
-def key(tmp_path):
-    return NoiseKey(tmp_path / "noise.key")
 
 
 @pytest.fixture

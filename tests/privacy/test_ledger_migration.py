@@ -9,7 +9,6 @@ import pytest
 
 from vllm_dp_plugin.config import ConfigError, DPPrivacyConfig
 from vllm_dp_plugin.privacy.accountant import Budget
-from vllm_dp_plugin.privacy.keyed_noise import NoiseKey
 from vllm_dp_plugin.privacy.ledger_migration import (
     LedgerMigrationError,
     import_jsonl,
@@ -20,11 +19,6 @@ from vllm_dp_plugin.privacy.query_ledger import BudgetExhausted, QueryLedger
 from vllm_dp_plugin.privacy.release_ledger import ReleaseLedger
 
 TOTAL = Budget(3.0, 1e-5)
-
-
-@pytest.fixture
-def key(tmp_path):
-    return NoiseKey(tmp_path / "noise.key")
 
 
 def _query_line(key, kind, rid, epsilon, context="ctx", client="", key_label=None) -> str:

@@ -29,11 +29,6 @@ TOTAL = Budget(3.0, 1e-5)
 
 
 @pytest.fixture
-def key(tmp_path):
-    return NoiseKey(tmp_path / "noise.key")
-
-
-@pytest.fixture
 def ledger(key, ledger_location):
     return QueryLedger(key, ledger_location)
 
