@@ -78,9 +78,9 @@ demo: $(STAMP) $(DEMO_MODEL)/config.json
 	$(VENV)/bin/vllm-dp train --config examples/train.yaml
 	$(MAKE) serve MODEL=.demo/trained/model
 
-# Every benchmark suite, results under benchmarks/results/ (attention ~15 min, serve ~25 min on 2 CPU cores).
+# The DP attention research suite and the serving benchmark, results under benchmarks/results/ (attention ~15 min, serve ~25 min on 2 CPU cores).
 bench: $(STAMP)
-	$(VENV)/bin/vllm-dp bench attention
+	$(VENV)/bin/python -m benchmarks.attention
 	$(VENV)/bin/vllm-dp bench serve
 
 # Schemathesis against the served API of SmolLM2 in each DP mode (aggregation, prompt

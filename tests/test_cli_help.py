@@ -76,3 +76,27 @@ def test_serve_help_prints_ours_after_vllms(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert out.index("vLLM's help") < out.index("--dp-config FILE")
     assert _example(out)[:2] == ["vllm-dp", "serve"]
+
+
+def test_every_research_suite_s_help_ends_with_a_working_example():
+    """The repository's research suites (``python -m benchmarks.SUITE``): each help ends with its
+    example, which parses; ``benchmarks`` is this repository's (Opacus installs one of that name)."""
+    import benchmarks
+
+    assert Path(benchmarks.__file__).resolve() == ROOT / "benchmarks" / "__init__.py"
+    modules = {p.stem for p in (ROOT / "benchmarks").glob("*.py") if p.stem != "__init__"}
+    modules |= {p.parent.name for p in (ROOT / "benchmarks").glob("*/__main__.py")}
+    assert set(benchmarks.SUITES) == modules
+    for module in benchmarks.SUITES:
+        parser = importlib.import_module(f"benchmarks.{module}").build_parser()
+        argv = _example(parser.format_help())
+        assert argv[:3] == ["python", "-m", f"benchmarks.{module}"], argv
+        parser.parse_args(argv[3:])
+
+
+def test_a_research_suite_runs_as_a_module_from_the_repository_root(tmp_path):
+    out = tmp_path / "s.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.make_scenarios", str(out), "--count", "1"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert len(out.read_text().splitlines()) == 1

@@ -35,7 +35,7 @@ def test_strict_build(tmp_path):
     for key in ("total_epsilon", "facts_per_document", "paraphrase_max_tokens", "public_head"):
         assert key in config, key
     cli = (site / "reference" / "cli" / "index.html").read_text(encoding="utf-8")
-    assert "vllm-dp bench aggregate-batch" in cli and "example:" in cli
+    assert "python -m benchmarks.aggregate_batch" in cli and "example:" in cli
     assert (site / "benchmarks" / "results" / "context-answer-cpu-2core-2026-11-28" / "index.html").is_file()
     assert (site / "examples" / "serve-smollm2-aggregate.yaml").is_file()
 

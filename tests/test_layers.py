@@ -26,7 +26,7 @@ ALLOWED = {
     "config": {"privacy", "attention", "prompt"},
     "plan": {"privacy", "attention", "aggregate", "config", "lru"},
 }
-VLLM_ALLOWED = {"serving", "benchmarks"}
+VLLM_ALLOWED = {"serving", "benchmarks"}  # (the research suites, benchmarks/, too)
 ACYCLIC = ("attention", "kernels")  # packages whose modules import one another without a cycle
 
 
@@ -185,14 +185,33 @@ def _import_edges(source: str, module: str, is_package: bool, known: set[str]) -
     return out
 
 
-def test_no_import_cycle_anywhere_in_the_package():
-    """Every module of vllm_dp_plugin (kernels included), every import anywhere in it: no cycle
-    (three were there: bench context's report, rows and running; bench train's methods and spec;
-    cli, calibration and serving/launch)."""
-    files = {_module_name(p): p for p in _all_files()}
+def _repo_module_name(path: Path) -> str:
+    """``benchmarks.a.b`` for the repository's ``benchmarks/a/b.py`` (``__init__.py``: its package)."""
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _research_files() -> dict[str, Path]:
+    return {_repo_module_name(p): p for p in sorted((REPO / "benchmarks").rglob("*.py"))}
+
+
+def test_no_import_cycle_anywhere():
+    """Every module of vllm_dp_plugin (kernels included) and of the repository's research suites
+    (``benchmarks/``), every import anywhere in them: no cycle (three were there: bench context's
+    report, rows and running; benchmarks.train's methods and spec; cli, calibration and serving/launch)."""
+    files = {_module_name(p): p for p in _all_files()} | _research_files()
     graph = {name: _import_edges(p.read_text(encoding="utf-8"), name, p.name == "__init__.py", set(files))
              for name, p in files.items()}
     assert not _cycle(graph), f"import cycle: {' -> '.join(_cycle(graph))}"
+
+
+def test_the_installed_package_needs_nothing_of_the_repository_s_benchmarks():
+    """The research suites import the package; the package (what users install) never imports them."""
+    research = set(_research_files())
+    hits = [f"{p.relative_to(REPO)}: {sorted(edges)}" for p in _all_files()
+            if (edges := _import_edges(p.read_text(encoding="utf-8"), _module_name(p), p.name == "__init__.py",
+                                       research | {"benchmarks"}))]
+    assert not hits, hits
 
 
 def test_the_package_wide_check_resolves_each_import_form():

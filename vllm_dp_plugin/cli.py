@@ -10,23 +10,18 @@
                                                 release each collection's DP fact sheet once, print it
     vllm-dp privatize --mechanism M --eps E [--model DIR | --minilm] TEXT
                                                 privatize a text token by token, show the receipt
-    vllm-dp bench attention [options]           DP attention vs exact attention benchmark
     vllm-dp bench serve [options]               serving throughput/latency with DP on and off
-    vllm-dp bench decode-step [options]         DP attention's layer path per decode step, engine-free (profile)
-    vllm-dp bench prompt [options]              prompt privatization utility vs eps (MiniLM)
-    vllm-dp bench prompt-answers [options]      (= bench prompt --answers) answer accuracy on privatized questions
-    vllm-dp bench prompt-ttft [options]         prompt privatization overhead on vLLM TTFT
-    vllm-dp bench prompt-speed [options]        privatized tokens/s (CPU; GPU: benchmarks/gpu/prompt.sh)
+    vllm-dp bench prompt-answers [options]      answer accuracy on privatized questions
     vllm-dp bench context [options]             private context: shared facts, secret leak, public answers vs eps
-    vllm-dp bench whisper [options]             Whisper tiny.en word error rate vs eps (DP cross-attention)
-    vllm-dp bench attention-real [options]      offline per-layer causes on SmolLM2: sinks, kernel error, noise
-    vllm-dp bench attention-ladder [options]    offline noise-free ladder: full, block, uniform, clustered, Taylor
-    vllm-dp bench aggregate-batch [options]     answer-level aggregation's member batch vs one plain request
     vllm-dp bench ledger [options]              budget ledger: reserve + settle at 1M entries, SQLite / PostgreSQL / JSONL
     vllm-dp bench faults [options]              kill -9 under load, restart: ledger and release kept
     vllm-dp bench load [options]                load test (64 clients, cancellations, the ledger) and soak
     vllm-dp bench fuzz [options]                Schemathesis against the served API in each DP mode
     vllm-dp bench workload [options]            a served collection under a mixed question stream: budgets, 429s, reuse
+    vllm-dp bench canary [options]              DP fine-tuning: canary exposure and perplexity vs eps
+
+Research and reproduction suites (DP attention, Whisper, DPFormer, prompt speed, training step
+time) are in the repository, not in the package: ``python -m benchmarks.SUITE`` (benchmarks/).
 """
 
 from __future__ import annotations
@@ -44,21 +39,10 @@ PRIVATIZE_EXAMPLE = ("vllm-dp privatize --mechanism trlap_corrected --eps 10 --m
                      "'My card number is 4111 1111 1111 1111'")
 
 BENCH_SUITES = {  # `vllm-dp bench SUITE` -> (module in vllm_dp_plugin.benchmarks, help)
-    "attention": ("attention", "DP cross-attention (state, tree) vs exact attention: accuracy, real heads, speed"),
     "serve": ("serve", "vLLM bench throughput/serve: stock vs plugin loaded vs DP state/tree"),
-    "decode-step": ("decode_step", "DP attention's serving path for one decode step, engine-free: CPU ms and profile"),
-    "prompt": ("prompt", "prompt privatization: token preservation and sentence cosine vs eps, true delta"),
     "prompt-answers": ("prompt_answers", "prompt privatization: answer accuracy of SmolLM2 on privatized questions vs eps"),
-    "prompt-ttft": ("prompt_ttft", "prompt privatization: overhead on vLLM time to first token"),
-    "prompt-speed": ("prompt_speed", "prompt privatization: privatized tokens/s (nearest candidate, privatizer)"),
-    "dpformer": ("dpformer", "DPFormer reproduction: NDCG@10/HIT@10 vs eps with and without Re-Attention"),
-    "train": ("train", "DP training step time, peak memory vs non-private, Opacus, torch.func (--model smollm2: +LoRA)"),
     "canary": ("canary", "DP fine-tuning of a real model: canary exposure and validation perplexity vs eps"),
     "context": ("context", "private context on a chat model: shared facts kept, secret leaked, public answers vs eps"),
-    "whisper": ("whisper", "Whisper tiny.en word error rate vs eps with DP cross-attention (stock, dp_off, state, tree)"),
-    "attention-real": ("attention_real", "why DP attention garbles a real chat model, offline: sinks, kernel error, noise, per layer"),
-    "attention-ladder": ("attention_ladder", "can a bounded kernel carry a real model's private context? the noise-free ladder, offline"),
-    "aggregate-batch": ("aggregate_batch", "answer-level aggregation: k member prompts batched vs one plain request (transformers)"),
     "ledger": ("ledger", "budget ledger: reserve + settle at up to 1M entries, SQLite vs PostgreSQL vs the JSONL file"),
     "faults": ("faults", "kill -9 of the API server or the engine core under load, restart: ledger and release kept"),
     "load": ("load", "load test of the served modes (concurrency, cancellations, the aggregation ledger) and a soak"),
@@ -169,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="train at most STEPS steps now (checkpointed; rerun to resume)")
     train.set_defaults(handler=_train)
 
-    bench = add_parser("bench", "vllm-dp bench attention --quick --out /tmp/bench-attention",
+    bench = add_parser("bench", "vllm-dp bench context --quick --rows none,full,aggregate_answer --out /tmp/bench-context",
                        help="run a benchmark suite (see `vllm-dp bench SUITE --help`)")
     suites = bench.add_subparsers(dest="suite", required=True, metavar="SUITE")
     for suite, (module, summary) in BENCH_SUITES.items():

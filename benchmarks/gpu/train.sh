@@ -11,7 +11,7 @@
 #      scipy, opt-einsum are on the machine) from .gpu-wheels/ only (setup.sh); without an opacus
 #      wheel the Opacus rows report "No module named 'opacus'" and the rest still runs;
 #   2. installs this repo editable without dependencies or index (setup.sh);
-#   3. runs `python -m vllm_dp_plugin.benchmarks.train --device cuda` once per autocast mode in
+#   3. runs `python -m benchmarks.train --device cuda` once per autocast mode in
 #      TRAIN_AUTOCAST (default "none bf16"): GPT-2 small (124M, tied 50257 vocab, random init),
 #      batch 16 x 512 tokens; non-private vs ours (DPEngine, Phantom Clipping) vs Opacus ghost
 #      clipping (tied: expected to fail; untied head) vs torch.func per-sample gradients, and
@@ -36,7 +36,7 @@ check_modules torch transformers peft opacus scipy opt_einsum matplotlib dp_acco
 status=0  # a failed mode does not stop the next one; the script's exit status says it failed
 for mode in ${TRAIN_AUTOCAST:-none bf16}; do
     echo "== train --device $DEVICE --autocast $mode --out $RESULTS $*"
-    "$PY" -m vllm_dp_plugin.benchmarks.train --device "$DEVICE" --autocast "$mode" --out "$RESULTS" "$@" \
+    "$PY" -m benchmarks.train --device "$DEVICE" --autocast "$mode" --out "$RESULTS" "$@" \
         || status=$?
 done
 

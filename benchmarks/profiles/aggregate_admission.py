@@ -1,5 +1,5 @@
 """Profile of DP aggregation's admission (``aggregate.mechanism: answer``) in one process: a vLLM
-``AsyncLLM`` with the engine settings of ``vllm-dp bench context --speed --sweep`` (the KV cache of
+``AsyncLLM`` with the engine settings of ``python -m benchmarks.context_speed --sweep`` (the KV cache of
 16 full-context requests), ``AggregateService`` over it, ``c`` queries in flight; a stat logger
 records the scheduler's running / waiting counts and KV cache use at every engine step (the numbers
 ``vllm:num_requests_running`` and the "Running: N reqs, Waiting: M" log line show; the DP server
@@ -45,7 +45,7 @@ async def run(args) -> None:
     from vllm.v1.engine.async_llm import AsyncLLM
     from vllm.v1.metrics.loggers import StatLoggerBase
 
-    from vllm_dp_plugin.benchmarks.context.speed import SWEEP_DOCUMENTS, sweep_jobs, sweep_scenarios
+    from benchmarks.context_speed import SWEEP_DOCUMENTS, sweep_jobs, sweep_scenarios
     from vllm_dp_plugin.benchmarks.lib.scenarios import ChatLayout
     from vllm_dp_plugin.config import AggregatePrivacyConfig
     from vllm_dp_plugin.privacy.keyed_noise import NoiseKey

@@ -21,10 +21,10 @@ import vllm_dp_plugin.trainer.norm_rules.base as BASE
 import vllm_dp_plugin.trainer.norm_rules.embedding as EM
 import vllm_dp_plugin.trainer.norm_rules.linear as L
 import vllm_dp_plugin.trainer.norm_rules.rmsnorm as R
+from benchmarks.train import _model_size
+from benchmarks.train import spec as S
+from benchmarks.train.methods import METHODS
 from vllm_dp_plugin.benchmarks.lib.scenarios import resolve_model
-from vllm_dp_plugin.benchmarks.train import _model_size
-from vllm_dp_plugin.benchmarks.train import spec as S
-from vllm_dp_plugin.benchmarks.train.methods import METHODS
 
 acc, cnt = collections.defaultdict(float), collections.Counter()
 

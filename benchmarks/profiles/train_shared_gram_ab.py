@@ -3,7 +3,7 @@ vs ours at the baseline commit vs ours on this branch, interleaved in one run.
 
 Each repeat runs the three rows in a rotated order, each in a fresh Python process (its
 ``PYTHONPATH`` selects the code) through ``benchmarks.train.measure.measure_method`` (the
-``vllm-dp bench train`` measurement: pretrained weights, batch 32 x 128, flat clipping, noise
+``python -m benchmarks.train`` measurement: pretrained weights, batch 32 x 128, flat clipping, noise
 multiplier 1, Adam; median of ``--steps`` steps after ``--warmup``). The table: per row the
 median over repeats of the per-repeat medians, and the ratio to non-private of the same repeat.
 
@@ -22,9 +22,9 @@ import time
 ONE = """
 import json, sys, torch
 from vllm_dp_plugin.benchmarks.lib.scenarios import resolve_model
-from vllm_dp_plugin.benchmarks.train import _model_size
-from vllm_dp_plugin.benchmarks.train.measure import measure_method
-from vllm_dp_plugin.benchmarks.train.spec import BenchSpec
+from benchmarks.train import _model_size
+from benchmarks.train.measure import measure_method
+from benchmarks.train.spec import BenchSpec
 import vllm_dp_plugin
 torch.set_num_threads(2)
 _, path = resolve_model("smollm2")

@@ -5,8 +5,10 @@ they cannot drift from the code, and the repository files the docs link to.
   ``vllm_dp_plugin/config.py`` (every field's name, type and default, the class docstrings).
 * ``reference/cli.md``: every ``vllm-dp`` subcommand's ``--help`` from the argparse parsers
   (``vllm_dp_plugin.cli.build_parser``, the calibration parser and each bench suite's
-  ``build_parser``). None of them imports vLLM.
-* ``benchmarks/index.md``: each bench suite, its example and its committed results;
+  ``build_parser``), then each research suite's (``python -m benchmarks.SUITE --help``).
+  None of the package's imports vLLM.
+* ``benchmarks/index.md``: each suite (``vllm-dp bench`` and research), its example and its
+  committed results;
   ``benchmarks/results.md``: every committed result file under ``benchmarks/results/``.
 * ``index.md`` from README.md, ``security.md`` from SECURITY.md.
 * Repository files outside ``docs/`` (``benchmarks/results/*``, ``examples/*``, ...) are added
@@ -21,6 +23,7 @@ Nothing generated is committed; ``make docs`` (``mkdocs build --strict``) and
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import os
 import re
 import sys
@@ -195,14 +198,35 @@ def cli_page() -> str:
         "!!! note \"Generated\"",
         "    Generated at build time from the argparse parsers (`vllm_dp_plugin/cli.py`,",
         "    `vllm_dp_plugin/calibration.py`, each suite's `build_parser` in",
-        "    `vllm_dp_plugin/benchmarks/`): each block is what `COMMAND --help` prints.",
+        "    `vllm_dp_plugin/benchmarks/`, then the repository's research suites in `benchmarks/`):",
+        "    each block is what `COMMAND --help` prints.",
         "",
     ]
     from vllm_dp_plugin.cli import help_texts
 
-    for command, text in help_texts():
+    for command, text in [*help_texts(), *research_help_texts()]:
         out += [f"## `{command}`", "", "```text", text.rstrip(), "```", ""]
     return "\n".join(out)
+
+
+def research_suites():
+    """The repository's ``benchmarks`` package (its research suites), found before the top-level
+    ``benchmarks`` that Opacus installs into site-packages (which an editable install's path entry
+    for this checkout comes after)."""
+    if sys.path[0] != str(ROOT):
+        sys.path.insert(0, str(ROOT))
+    for name in [m for m in sys.modules if m.split(".")[0] == "benchmarks"]:
+        if not str(getattr(sys.modules[name], "__file__", "") or "").startswith(str(ROOT)):
+            del sys.modules[name]
+    return importlib.import_module("benchmarks")
+
+
+def research_help_texts() -> list[tuple[str, str]]:
+    """(``python -m benchmarks.SUITE``, its ``--help``) of each research suite of the repository."""
+    benchmarks = research_suites()
+    return [(f"{benchmarks.PREFIX}{module}",
+             importlib.import_module(f"benchmarks.{module}").build_parser().format_help())
+            for module in benchmarks.SUITES]
 
 
 # --------------------------------------------------------------------------- results
@@ -236,52 +260,63 @@ def results_page() -> str:
 
 # result files whose name does not start with their suite's name
 RESULT_PREFIXES = {"prompt": ("prompt-utility",), "attention": ("attention-cpu", "attention-gpu"),
-                   "dpformer": ("dpformer",), "context": ("context",)}
+                   "dpformer": ("dpformer",), "context": ("context",),
+                   "context_speed": ("context-speed", "context-answer-speed", "context-extract-speed",
+                                     "context-answer_batch-speed", "context-answer-sweep")}
 
 
 def suite_of(name: str, suites: list[str]) -> str | None:
     """The bench suite a result file comes from: the longest suite name (or alias) it starts with."""
     best = None
     for suite in suites:
-        for prefix in RESULT_PREFIXES.get(suite, (suite,)):
+        for prefix in RESULT_PREFIXES.get(suite, (suite.replace("_", "-"),)):
             if name.startswith(prefix + "-") and (best is None or len(prefix) > best[1]):
                 best = (suite, len(prefix))
     return None if best is None else best[0]
 
 
 def benchmarks_page() -> str:
+    benchmarks = research_suites()
     from vllm_dp_plugin.benchmarks.lib.cli import EXAMPLES
     from vllm_dp_plugin.cli import BENCH_SUITES
 
     results = sorted((ROOT / "benchmarks" / "results").glob("*.md"))
-    suites = list(BENCH_SUITES)
+    suites = [*BENCH_SUITES, *benchmarks.SUITES]
     out = [
         "# Benchmark suites",
         "",
         "!!! note \"Generated\"",
-        "    The suites are `vllm-dp bench SUITE` (`vllm_dp_plugin/cli.py` `BENCH_SUITES`); the example",
-        "    is the one `vllm-dp bench SUITE --help` ends with; the results are the committed",
+        "    The suites a user runs against their own deployment are `vllm-dp bench SUITE`",
+        "    (`vllm_dp_plugin/cli.py` `BENCH_SUITES`, installed with the package); the research and",
+        "    reproduction suites are the repository's `python -m benchmarks.SUITE` (`benchmarks/__init__.py`",
+        "    `SUITES`). The example is the one `--help` ends with; the results are the committed",
         "    `benchmarks/results/*.md` of that suite, matched by file name at build time.",
         "",
         "Every suite writes a markdown summary (its command line, machine, table), the raw JSON and",
         "usually a plot, named `SUITE-<machine>-<date>`, into `--out` (default `benchmarks/results/`).",
         "Without options a suite runs its full, committed configuration; `--quick` (where a suite",
-        "has it) is a smoke run of toy sizes. `make bench` runs `attention` and `serve`. The GPU runs",
+        "has it) is a smoke run of toy sizes. `make bench` runs `python -m benchmarks.attention` and `vllm-dp bench serve`. The GPU runs",
         "(`benchmarks/gpu/run_all.sh`) are described in [development](../development.md). Each suite's",
-        "options: `vllm-dp bench SUITE --help` or the [CLI reference](../reference/cli.md).",
+        "options: `--help` or the [CLI reference](../reference/cli.md).",
+        "",
+        "## Your deployment: `vllm-dp bench`",
         "",
     ]
-    for suite, (module, summary) in BENCH_SUITES.items():
+
+    def section(suite: str, summary: str, example: str, module: str) -> list[str]:
         files = [p for p in results if suite_of(p.name, suites) == suite]
-        out += [f"## `{suite}`", "", summary[0].upper() + summary[1:] + ".", "",
-                "```bash", f"vllm-dp bench {suite}", EXAMPLES[suite], "```", "",
-                f"Module: `vllm_dp_plugin/benchmarks/{module.replace('.', '/')}`.", ""]
-        if files:
-            out += ["Committed results:", ""]
-            out += [f"- [{p.stem}](results/{p.name})" for p in files]
-        else:
-            out.append("No committed results.")
-        out.append("")
+        lines = [f"### `{suite}`", "", summary[0].upper() + summary[1:] + ".", "",
+                 "```bash", example, "```", "", f"Module: `{module}`.", ""]
+        lines += ["Committed results:", "", *(f"- [{p.stem}](results/{p.name})" for p in files)] if files else [
+            "No committed results."]
+        return [*lines, ""]
+
+    for suite, (module, summary) in BENCH_SUITES.items():
+        out += section(suite, summary, EXAMPLES[suite], f"vllm_dp_plugin/benchmarks/{module}")
+    out += ["## Research and reproduction: `python -m benchmarks.SUITE`", "",
+            "Run from the repository root (a checkout, not the installed package).", ""]
+    for module, (summary, _) in benchmarks.SUITES.items():
+        out += section(module, summary, benchmarks.command(module), f"benchmarks/{module}")
     unmatched = [p for p in results if suite_of(p.name, suites) is None]
     if unmatched:
         out += ["## Other results", ""] + [f"- [{p.stem}](results/{p.name})" for p in unmatched] + [""]

@@ -1,4 +1,4 @@
-"""`vllm-dp bench attention --quick`: runs end to end, writes every result file with its key rows."""
+"""`python -m benchmarks.attention --quick`: runs end to end, writes every result file with its key rows."""
 
 import csv
 import json
@@ -7,11 +7,10 @@ import math
 import pytest
 import torch
 
+from benchmarks.attention import experiments, main, report
+from benchmarks.attention.settings import Settings, TreePlan
 from vllm_dp_plugin.attention.core import DPCrossAttention
 from vllm_dp_plugin.attention.mapping import HeadMapping
-from vllm_dp_plugin.benchmarks.attention import experiments, report
-from vllm_dp_plugin.benchmarks.attention.settings import Settings, TreePlan
-from vllm_dp_plugin.cli import main
 
 DATE = "2026-11-22"
 STEM = f"attention-cpu-{DATE}"
@@ -20,7 +19,7 @@ STEM = f"attention-cpu-{DATE}"
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    rc = main(["bench", "attention", "--quick", "--out", str(out), "--no-progress", "--date", DATE])
+    rc = main(["--quick", "--out", str(out), "--no-progress", "--date", DATE])
     return rc, out
 
 
@@ -42,7 +41,7 @@ def test_markdown_has_the_sections_targets_and_rows(quick_run):
         "## 2. Real heads",
         "## 3. Speed and memory",
         "one exact attention pass = SDPA prefill",
-        "Command: `vllm-dp bench attention --quick",
+        "Command: `python -m benchmarks.attention --quick",
         f"torch {torch.__version__}",
         "| state | 16 | 512 | 1 | 2 |",
         "| tree | 16 | 2048 | 16 |",
@@ -86,7 +85,7 @@ def test_render_rewrites_the_report_from_the_json(quick_run):
     md = out / f"{STEM}.md"
     before = md.read_text()
     md.unlink()
-    assert main(["bench", "attention", "--render", str(out / f"{STEM}.json")]) == 0
+    assert main(["--render", str(out / f"{STEM}.json")]) == 0
     assert md.read_text() == before
 
 

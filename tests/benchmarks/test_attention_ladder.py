@@ -1,4 +1,4 @@
-"""`vllm-dp bench attention-ladder` on a tiny random Llama: ``full`` is the model's own attention,
+"""`python -m benchmarks.attention_ladder` on a tiny random Llama: ``full`` is the model's own attention,
 ``block`` encodes documents independently, each row rewrites only the span, and the clustered
 row is exact when every key is its own centroid."""
 
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm_dp_plugin.benchmarks import attention_ladder as ladder
+from benchmarks import attention_ladder as ladder
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 2, 4, 2, 8, 64
 HEAD, SEGMENTS = 3, [(3, 9), (9, 14), (14, 20)]  # a 3-token public head, then three documents

@@ -1,4 +1,4 @@
-"""`vllm-dp bench attention-real` on a tiny random Llama: the capture reproduces the model's own
+"""`python -m benchmarks.attention_real` on a tiny random Llama: the capture reproduces the model's own
 attention, the exact path is exact, an in-regime DP part is close, and the report has its shape."""
 
 import json
@@ -7,17 +7,18 @@ import math
 import pytest
 import torch
 
-from vllm_dp_plugin.benchmarks.attention_real import build_parser, run
-from vllm_dp_plugin.benchmarks.attention_real.capture import Captured, Hooked, prepare
-from vllm_dp_plugin.benchmarks.attention_real.measures import Sequences
-from vllm_dp_plugin.benchmarks.attention_real.parts import (
+from benchmarks import SUITES
+from benchmarks.attention_real import build_parser, run
+from benchmarks.attention_real.capture import Captured, Hooked, prepare
+from benchmarks.attention_real.measures import Sequences
+from benchmarks.attention_real.parts import (
     Plans,
     causal_tail,
     conditions,
     keys_part,
     rel_sq,
 )
-from vllm_dp_plugin.benchmarks.attention_real.report import markdown, plot
+from benchmarks.attention_real.report import markdown, plot
 from vllm_dp_plugin.cli import BENCH_SUITES
 from vllm_dp_plugin.plan import ModelShape
 
@@ -121,7 +122,7 @@ def test_report_has_every_layer_condition_and_file(result, tmp_path):
     json.dumps(data, default=str)
 
 
-def test_registered_as_a_bench_suite():
-    assert BENCH_SUITES["attention-real"][0] == "attention_real"
+def test_registered_as_a_research_suite():
+    assert "attention_real" in SUITES and "attention-real" not in BENCH_SUITES
     args = build_parser().parse_args(["--questions", "3,4", "--eps", "8,64"])
     assert args.questions == (3, 4) and args.eps == (8.0, 64.0)

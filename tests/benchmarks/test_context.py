@@ -9,18 +9,19 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm_dp_plugin.benchmarks.context import kept_rows, running
-from vllm_dp_plugin.benchmarks.context.report import markdown, plot
-from vllm_dp_plugin.benchmarks.context.rows import ROWS, dp_request
-from vllm_dp_plugin.benchmarks.context.running import Bench, jobs_of, run, server_parts
-from vllm_dp_plugin.benchmarks.context.scoring import ROW_KEYS, Answer, summarize, unfit
-from vllm_dp_plugin.benchmarks.context.speed import answer_speed_markdown
-from vllm_dp_plugin.benchmarks.lib.scenario_generator import (
+from benchmarks.context_speed import answer_speed_markdown
+from benchmarks.lib.scenario_generator import (
     SUPPORTS,
     make_scenario,
     make_scenarios,
     write_scenarios,
 )
+from benchmarks.make_scenarios import main as make_scenarios_main
+from vllm_dp_plugin.benchmarks.context import kept_rows, running
+from vllm_dp_plugin.benchmarks.context.report import markdown, plot
+from vllm_dp_plugin.benchmarks.context.rows import ROWS, dp_request
+from vllm_dp_plugin.benchmarks.context.running import Bench, jobs_of, run, server_parts
+from vllm_dp_plugin.benchmarks.context.scoring import ROW_KEYS, Answer, summarize, unfit
 from vllm_dp_plugin.benchmarks.lib.scenarios import (
     DEFAULT_SCENARIOS,
     ChatLayout,
@@ -86,7 +87,7 @@ def test_check_scenario_refuses_a_wrong_support(tmp_path):
 
 def test_make_scenarios_option_writes_a_loadable_file(tmp_path):
     out = tmp_path / "s.jsonl"
-    assert main(["bench", "context", "--make-scenarios", str(out), "--count", "3", "--seed", "4"]) == 0
+    assert make_scenarios_main([str(out), "--count", "3", "--seed", "4"]) == 0
     assert load_scenarios(out) == make_scenarios(3, seed=4)
 
 
@@ -312,7 +313,7 @@ def test_the_answer_row_serves_mechanism_answer_and_its_speed_table_compares_wit
 
 
 def test_the_sweep_never_asks_a_prompt_twice_and_its_table_gives_the_ratio_to_full():
-    from vllm_dp_plugin.benchmarks.context.speed import (
+    from benchmarks.context_speed import (
         SWEEP_DOCUMENTS,
         sweep_jobs,
         sweep_markdown,

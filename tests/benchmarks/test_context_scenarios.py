@@ -10,8 +10,7 @@ from collections import defaultdict
 
 import pytest
 
-from vllm_dp_plugin.benchmarks.context import result_stem
-from vllm_dp_plugin.benchmarks.lib.scenario_generator import (
+from benchmarks.lib.scenario_generator import (
     OTHER_ENTITIES,
     PROPERTIES,
     REALISTIC_DOCUMENTS,
@@ -21,13 +20,14 @@ from vllm_dp_plugin.benchmarks.lib.scenario_generator import (
     make_realistic_scenario,
     make_scenarios,
 )
+from benchmarks.make_scenarios import main as make_scenarios_main
+from vllm_dp_plugin.benchmarks.context import result_stem
 from vllm_dp_plugin.benchmarks.lib.scenarios import (
     DEFAULT_SCENARIOS,
     SIMPLE_SCENARIOS,
     answer_in,
     load_scenarios,
 )
-from vllm_dp_plugin.cli import main
 
 
 def _pattern(template: str, **groups: str) -> re.Pattern:
@@ -135,7 +135,7 @@ def test_bundled_files_are_the_generators_seed_0():
 
 def test_a_held_out_set_is_one_option_away_and_its_results_are_named_after_it(tmp_path):
     out = tmp_path / "heldout.jsonl"
-    assert main(["bench", "context", "--make-scenarios", str(out), "--seed", "101", "--count", "3"]) == 0
+    assert make_scenarios_main([str(out), "--seed", "101", "--count", "3"]) == 0
     held = load_scenarios(out)
     assert held == make_scenarios(3, seed=101)
     bundled = make_scenarios(3, seed=0)
@@ -144,7 +144,7 @@ def test_a_held_out_set_is_one_option_away_and_its_results_are_named_after_it(tm
     assert result_stem(tmp_path, True, DEFAULT_SCENARIOS, "cpu", "d").name == "context-quick-cpu-d"
     assert result_stem(tmp_path, False, DEFAULT_SCENARIOS, "cpu", "d").name == "context-cpu-d"
     simple = tmp_path / "simple.jsonl"
-    assert main(["bench", "context", "--make-scenarios", str(simple), "--style", "simple", "--count", "2"]) == 0
+    assert make_scenarios_main([str(simple), "--style", "simple", "--count", "2"]) == 0
     assert [json.loads(line) for line in simple.read_text().splitlines()] == make_scenarios(2, style="simple")
 
 

@@ -1,4 +1,4 @@
-"""bench decode-step: a quick run writes its table and profile, and the step it times is the DP
+"""benchmarks.decode_step: a quick run writes its table and profile, and the step it times is the DP
 path (the released context's answer and the fused exact part run in every layer)."""
 
 import json
@@ -9,7 +9,7 @@ pytest.importorskip("vllm")
 
 
 def test_quick_run_times_the_dp_path_and_writes_its_profile(tmp_path):
-    from vllm_dp_plugin.benchmarks import decode_step
+    from benchmarks import decode_step
 
     assert decode_step.main(["--quick", "--out", str(tmp_path), "--date", "2026-01-01"]) == 0
     result = json.loads((tmp_path / "decode-step-cpu-2026-01-01.json").read_text())
@@ -21,7 +21,7 @@ def test_quick_run_times_the_dp_path_and_writes_its_profile(tmp_path):
 
 
 def test_the_step_answers_every_layer_from_the_release(tmp_path):
-    from vllm_dp_plugin.benchmarks import decode_step
+    from benchmarks import decode_step
 
     args = decode_step.build_parser().parse_args(["--quick", "--layers", "3"])
     args.batch, args.context, args.public = 4, 64, 8

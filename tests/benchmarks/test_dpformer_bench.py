@@ -1,4 +1,4 @@
-"""``vllm-dp bench dpformer --quick`` (``benchmarks.dpformer``): runs end to end and writes md + json + png; the pieces the
+"""``python -m benchmarks.dpformer --quick`` (``benchmarks.dpformer``): runs end to end and writes md + json + png; the pieces the
 table rests on (schedule, seed aggregation, MostPop floor, public p_v) behave as documented."""
 
 import json
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from vllm_dp_plugin.benchmarks import dpformer
+from benchmarks import dpformer
 from vllm_dp_plugin.trainer.reattention import sequence_frequencies
 from vllm_dp_plugin.trainer.synthetic import Interactions, generate_interactions, leave_one_out
 

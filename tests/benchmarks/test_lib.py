@@ -14,8 +14,10 @@ import numpy as np
 import pytest
 import torch
 
+import benchmarks as research
+from benchmarks.lib import measure
 from vllm_dp_plugin import benchmarks
-from vllm_dp_plugin.benchmarks.lib import cli, environment, measure, report
+from vllm_dp_plugin.benchmarks.lib import cli, environment, report
 from vllm_dp_plugin.cli import BENCH_SUITES
 
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -155,20 +157,23 @@ def test_cli_common_options_and_parse():
 # --------------------------------------------------------------------------- suite shape
 PACKAGE_DIR = Path(benchmarks.__file__).parent
 PACKAGE = benchmarks.__name__
+RESEARCH_DIR = Path(research.__file__).parent  # the repository's benchmarks/
+ROOT = RESEARCH_DIR.parent
+MAX_INSTALLED_LINES = 6000
 
 
-def suite_units() -> dict[str, list[Path]]:
+def suite_units(root: Path = PACKAGE_DIR) -> dict[str, list[Path]]:
     """Suite name -> its source files: a module ``X.py`` or a package ``X/`` (``lib`` excluded)."""
-    units = {p.stem: [p] for p in PACKAGE_DIR.glob("*.py") if p.name != "__init__.py"}
-    for d in PACKAGE_DIR.iterdir():
+    units = {p.stem: [p] for p in root.glob("*.py") if p.name != "__init__.py"}
+    for d in root.iterdir():
         if d.is_dir() and (d / "__init__.py").exists() and d.name != "lib":
             units[d.name] = sorted(d.rglob("*.py"))
     return units
 
 
-def imported_units(path: Path) -> set[str]:
-    """The units of ``vllm_dp_plugin.benchmarks`` that ``path`` imports (absolute or relative)."""
-    module = ".".join(path.relative_to(PACKAGE_DIR.parent.parent).with_suffix("").parts)  # a.b.__init__ for a package
+def imported_units(path: Path, package: str = PACKAGE) -> set[str]:
+    """The units of ``package`` that ``path`` imports (absolute or relative)."""
+    module = ".".join(path.relative_to(ROOT).with_suffix("").parts)  # a.b.__init__ for a package
     found = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         targets = []
@@ -181,16 +186,23 @@ def imported_units(path: Path) -> set[str]:
                 base = ".".join(parent + ([base] if base else []))
             targets = [base] + [f"{base}.{alias.name}" for alias in node.names]
         for target in targets:
-            if target.startswith(PACKAGE + "."):
-                found.add(target[len(PACKAGE) + 1 :].split(".")[0])
+            if target.startswith(package + "."):
+                found.add(target[len(package) + 1 :].split(".")[0])
     return found
 
 
 def test_the_suites_are_the_ones_the_cli_runs():
+    """The installed package holds the suites ``vllm-dp bench`` runs (and ``steady``, which ``serve``
+    starts in its own process); the research suites are the repository's ``benchmarks/``."""
     units = suite_units()
-    assert {module for module, _ in BENCH_SUITES.values()} <= set(units)
-    assert "attention" in units and len(units["attention"]) >= 4  # settings / experiments / report split
-    assert "real_heads" not in units  # part of the attention suite now
+    assert set(units) == {module for module, _ in BENCH_SUITES.values()} | {"steady"}
+    assert not set(units) & set(research.SUITES)
+
+
+def test_the_installed_benchmark_code_is_small():
+    """The benchmark code users install: the suites they run against their own deployment."""
+    lines = sum(len(p.read_text().splitlines()) for p in PACKAGE_DIR.rglob("*.py"))
+    assert lines <= MAX_INSTALLED_LINES, lines
 
 
 def test_no_suite_imports_another():
@@ -204,6 +216,21 @@ def test_no_suite_imports_another():
     assert not bad, bad
     for path in (PACKAGE_DIR / "lib").rglob("*.py"):
         assert imported_units(path) <= {"lib"}, path
+
+
+def test_no_research_suite_imports_another():
+    """The research suites share ``benchmarks.lib`` and the package's ``lib``; ``context_speed`` times
+    the rows and servers of the package's ``context`` suite, which no other one imports."""
+    units = suite_units(RESEARCH_DIR)
+    assert set(units) == set(research.SUITES)
+    bad = {}
+    for name, files in units.items():
+        for path in files:
+            others = (imported_units(path, "benchmarks") & set(units)) - {name}
+            others |= imported_units(path) - {"lib", *(["context"] if name == "context_speed" else [])}
+            if others:
+                bad[str(path.relative_to(RESEARCH_DIR))] = sorted(others)
+    assert not bad, bad
 
 
 @pytest.mark.parametrize("name", sorted(suite_units()))

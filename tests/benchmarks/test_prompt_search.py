@@ -1,5 +1,5 @@
 """``benchmarks.lib.prompt_search``: exact vs approximate search on the same noisy vectors (the
-section ``vllm-dp bench prompt-ttft --search hnsw|ivf`` adds), on a small synthetic table."""
+section ``python -m benchmarks.prompt_ttft --search hnsw|ivf`` adds), on a small synthetic table."""
 
 import argparse
 
@@ -11,7 +11,7 @@ from vllm_dp_plugin.prompt.privatizer import candidate_index
 
 pytest.importorskip("faiss")
 
-from vllm_dp_plugin.benchmarks.lib.prompt_search import MAX_NW_GAP, compare, english_ids, markdown
+from benchmarks.lib.prompt_search import MAX_NW_GAP, compare, english_ids, markdown
 from vllm_dp_plugin.prompt.approximate import ApproximateIndex
 
 
@@ -51,8 +51,8 @@ def test_english_ids_are_real_text():
 
 
 def test_prompt_ttft_report_states_the_search_and_the_target_model():
-    from vllm_dp_plugin.benchmarks.prompt_ttft import TARGET_MODEL, summary
-    from vllm_dp_plugin.benchmarks.prompt_ttft import markdown as ttft_markdown
+    from benchmarks.prompt_ttft import TARGET_MODEL, summary
+    from benchmarks.prompt_ttft import markdown as ttft_markdown
 
     rows = [{"config": c, "mean_ttft_ms": t, "median_ttft_ms": t} for c, t in [("stock", 100.0), ("prompt-auto", 105.0)]]
     args = argparse.Namespace(model=TARGET_MODEL, shape="demo", input_len=512, output_len=4, num_prompts=32,

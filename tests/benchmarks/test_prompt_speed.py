@@ -1,8 +1,8 @@
-"""``vllm-dp bench prompt-speed --quick`` (``benchmarks.prompt_speed``): runs end to end and writes the md + json tables."""
+"""``python -m benchmarks.prompt_speed --quick`` (``benchmarks.prompt_speed``): runs end to end and writes the md + json tables."""
 
 import json
 
-from vllm_dp_plugin.benchmarks import prompt_speed
+from benchmarks import prompt_speed
 
 DATE = "2026-11-22"
 

@@ -1,4 +1,4 @@
-"""`vllm-dp bench prompt-ttft`: configurations, summary and CLI routing (the run itself starts
+"""`python -m benchmarks.prompt_ttft`: configurations, summary and CLI routing (the run itself starts
 two vLLM servers per repeat and is exercised by the benchmark, not here)."""
 
 import argparse
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from vllm_dp_plugin.benchmarks.prompt_ttft import config_of, summary
+from benchmarks.prompt_ttft import config_of, summary
 from vllm_dp_plugin.cli import BENCH_SUITES, main
 from vllm_dp_plugin.config import DPPrivacyConfig
 
@@ -48,7 +48,7 @@ def test_every_bench_suite_is_routed(suite, capsys):
 def test_wide_shape_has_a_real_models_search_to_body_ratio():
     """--shape wide: the vocabulary search (V d MACs per token) is a few percent of the body's
     per-token MACs, as in real models; the demo's is comparable to its whole body."""
-    from vllm_dp_plugin.benchmarks.prompt_ttft import SHAPES
+    from benchmarks.prompt_ttft import SHAPES
     from vllm_dp_plugin.demo import DemoLlamaShape
 
     def search_to_body(shape: DemoLlamaShape) -> float:

@@ -1,4 +1,4 @@
-"""``vllm-dp bench train`` (``benchmarks.train``): ``--quick`` end to end (every method row, files written), the
+"""``python -m benchmarks.train`` (``benchmarks.train``): ``--quick`` end to end (every method row, files written), the
 verdict helpers, and the worker isolation (an error or a timeout is a row, not a crash); ``--model`` on a tiny
 random tied Llama directory (full and LoRA rows, its targets, the tiny-Llama norm check, Opacus' hooks
 fallback)."""
@@ -8,9 +8,7 @@ import json
 import pytest
 import torch
 
-from vllm_dp_plugin.benchmarks.lib.environment import free_bytes
-from vllm_dp_plugin.benchmarks.lib.scenarios import resolve_model
-from vllm_dp_plugin.benchmarks.train import (
+from benchmarks.train import (
     MODEL_BATCH,
     _methods_from_args,
     _spec_from_args,
@@ -18,10 +16,12 @@ from vllm_dp_plugin.benchmarks.train import (
     main,
     methods,
 )
-from vllm_dp_plugin.benchmarks.train.measure import measure_method, run_isolated
-from vllm_dp_plugin.benchmarks.train.methods import METHODS, PRESET_METHODS, naive_skip_reason
-from vllm_dp_plugin.benchmarks.train.spec import PRESETS, BenchSpec, ModelSize, load_model
-from vllm_dp_plugin.benchmarks.train.verdicts import NORM_RTOL, add_ratios, norm_check, targets
+from benchmarks.train.measure import measure_method, run_isolated
+from benchmarks.train.methods import METHODS, PRESET_METHODS, naive_skip_reason
+from benchmarks.train.spec import PRESETS, BenchSpec, ModelSize, load_model
+from benchmarks.train.verdicts import NORM_RTOL, add_ratios, norm_check, targets
+from vllm_dp_plugin.benchmarks.lib.environment import free_bytes
+from vllm_dp_plugin.benchmarks.lib.scenarios import resolve_model
 from vllm_dp_plugin.trainer.lora import LoraSpec
 
 DATE = "2026-11-23"

@@ -1,4 +1,4 @@
-"""`vllm-dp bench whisper`: options, the row/eps job list, DP sections, WER aggregation, the report
+"""`python -m benchmarks.whisper`: options, the row/eps job list, DP sections, WER aggregation, the report
 from a fake result, the tree refusal (planning only). The end-to-end run starts vLLM servers
 (minutes): it runs only with VLLM_DP_SLOW=1 (and vllm installed)."""
 
@@ -8,18 +8,19 @@ from pathlib import Path
 
 import pytest
 
-from vllm_dp_plugin.benchmarks import whisper as bench
-from vllm_dp_plugin.cli import BENCH_SUITES, main
+from benchmarks import SUITES
+from benchmarks import whisper as bench
+from vllm_dp_plugin.cli import BENCH_SUITES
 from vllm_dp_plugin.models.speech import word_error_rate, words
 
 slow = pytest.mark.skipif(not os.environ.get("VLLM_DP_SLOW"), reason="slow (vLLM servers): set VLLM_DP_SLOW=1")
 
 
 # --------------------------------------------------------------------------- options and jobs
-def test_the_suite_is_registered():
-    assert BENCH_SUITES["whisper"][0] == "whisper"
+def test_the_suite_is_a_research_suite_of_the_repository():
+    assert "whisper" in SUITES and "whisper" not in BENCH_SUITES
     with pytest.raises(SystemExit) as exit_:
-        main(["bench", "whisper", "--help"])
+        bench.main(["--help"])
     assert exit_.value.code == 0
 
 
@@ -138,7 +139,7 @@ def fake_result() -> dict:
             bench.summarize(bench.Job("dp_state", 1e7), refs, ["you", "you", "you"], [2.0] * 3, budget),
             bench.refused(bench.Job("dp_tree", 8.0), "tree mode needs ~19.15 GiB per layer\nmore")]
     return {"model": ".models/whisper-tiny-en", "device": "cpu-2core", "date": "2026-11-26",
-            "command": "vllm-dp bench whisper", "references": refs, "max_tokens": bench.MAX_TOKENS,
+            "command": "python -m benchmarks.whisper", "references": refs, "max_tokens": bench.MAX_TOKENS,
             "calibration": {"description": "speech"}, "rows": rows, "checks": bench.checks(rows)}
 
 
@@ -193,7 +194,7 @@ def test_quick_run_dp_off_and_state_on_whisper_tiny_en(tmp_path):
     if not (model / "config.json").exists():
         pytest.skip(f"no {model} (vllm-dp import-model whisper-tiny-en {model})")
     out = tmp_path / "results"
-    assert main(["bench", "whisper", "--quick", "--rows", "dp_off", "--out", str(out),
+    assert bench.main(["--quick", "--rows", "dp_off", "--out", str(out),
                  "--cache-dir", str(tmp_path / "cache"), "--date", "test"]) == 0
     data = json.loads(next(out.glob("whisper-*-test.json")).read_text())
     assert [(r["row"], r["eps"]) for r in data["rows"]] == [("dp_off", None), ("dp_state", 8.0)]

@@ -22,7 +22,7 @@ K, D, QUERIES = 4000, 64, 1000
 # Measured with these seeds (faiss-cpu 1.15.1, re-rank of faiss's best 8): noise of the rows' mean
 # norm -> hnsw 1.000, ivf 0.996; twice that -> hnsw 0.987, ivf 0.927 (HNSW's parallel build is not
 # deterministic). Asserted with a margin below. On SmolLM2's real table the fractions are far lower
-# at DP noise levels (see ``vllm-dp bench prompt-ttft --search``): queries lie far from every row.
+# at DP noise levels (see ``python -m benchmarks.prompt_ttft --search``): queries lie far from every row.
 MIN_RECALL = {("hnsw", 1.0): 0.97, ("ivf", 1.0): 0.97, ("hnsw", 2.0): 0.95, ("ivf", 2.0): 0.85}
 
 

@@ -4,7 +4,7 @@ Every constant here is an *input*: a logit scale, a public mean key, clipping bo
 ever computed from the private context. ``HeadMapping.calibrate`` derives them from public
 calibration activations (e.g. other documents run through the same model).
 
-Transforms (all fixed per-row maps, so DP-safe; ``vllm-dp bench attention`` measures their
+Transforms (all fixed per-row maps, so DP-safe; ``python -m benchmarks.attention`` measures their
 distortion as E1 vs E0):
 * keys: ``k <- clip_box(k - mu_k, R_k)`` then l2-clip to ``key_norm`` (if given);
 * queries: ``q <- clip_box(q, R_q)`` then l2-clip to ``query_norm``;

@@ -41,7 +41,8 @@ Rows (``ROWS``, one entry per way of serving; a new mechanism is one more entry)
   (``answer_batch: 16``, l0 = 2); ``aggregate_extract``: the
   same with ``answer_member: extract`` (no model runs for a member: each reads its document).
 
-``--speed`` measures time per output token instead (``speed``).
+Time per output token and seconds per answer are a research suite of the repository:
+``python -m benchmarks.context_speed`` (over this suite's rows and servers).
 
 Every row sees the same token sequence: ``C`` = the chat template's system turn holding the
 documents (one per line), then the user turn with the generation prompt; ``none`` drops ``C``.
@@ -61,12 +62,12 @@ its class, the specifics it adds) and the scenarios file's sha256; with
 ``--append`` the rows of an existing file of that name that this run does not measure are kept
 (add one mechanism without re-running the others).
 
-Scenarios: ``vllm_dp_plugin/benchmarks/data/context-scenarios.jsonl`` (24, ``--make-scenarios`` with seed 0,
-style ``realistic``: ``lib.scenario_generator``: companies with several sites, teams and products,
+Scenarios: ``vllm_dp_plugin/benchmarks/data/context-scenarios.jsonl`` (24, generated with seed 0,
+style ``realistic``, by the repository's ``python -m benchmarks.make_scenarios``: companies with several sites, teams and products,
 30 documents of 2-4 sentences behind headers with ids, the asked property also stated for other
 entities, answers with common words; the set bundled before issue 48 is
 ``data/context-scenarios-simple.jsonl``, ``--style simple``). A held-out set that nobody tunes
-to: ``--make-scenarios OUT --seed 101`` (any other seed), then ``--scenarios OUT``; its results
+to: ``python -m benchmarks.make_scenarios OUT --seed 101`` (any other seed), then ``--scenarios OUT``; its results
 are named ``context-<file stem>-<device>-<date>``. One JSON object per line::
 
     {"id": str, "documents": [str, ...],
@@ -75,9 +76,9 @@ are named ``context-<file stem>-<device>-<date>``. One JSON object per line::
 
 ``answers`` are the accepted surface forms ("Room 12", "room 12"), the documents' own first.
 
-The suite is a package (its scenario generator is ``lib.scenario_generator``): ``scoring`` (answers, result rows),
+The suite is a package: ``scoring`` (answers, result rows),
 ``rows`` (``ROWS``: servers and requests), ``report`` (markdown, plot), ``running`` (``Bench``,
-servers, ``run``), ``speed`` (``--speed``) and here ``add_cli_args`` and ``main``. Run it as
+servers, ``run``) and here ``add_cli_args`` and ``main``. Run it as
 ``vllm-dp bench context`` or ``python -m vllm_dp_plugin.benchmarks.context``.
 """
 
@@ -97,22 +98,9 @@ from pathlib import Path
 from vllm_dp_plugin.benchmarks.context.report import KERNEL_ONLY_EPS, markdown, plot
 from vllm_dp_plugin.benchmarks.context.rows import ROWS
 from vllm_dp_plugin.benchmarks.context.running import Bench, jobs_of, run
-from vllm_dp_plugin.benchmarks.context.speed import (
-    ANSWER_DOCUMENTS,
-    ANSWER_ROWS,
-    SPEED_MEMBERS,
-    SWEEP_REPEATS,
-    answer_speed,
-    answer_speed_markdown,
-    answer_sweep,
-    speed,
-    speed_markdown,
-    sweep_markdown,
-)
 from vllm_dp_plugin.benchmarks.lib.cli import DEFAULT_OUT, parse, today
 from vllm_dp_plugin.benchmarks.lib.environment import default_device, device_label
 from vllm_dp_plugin.benchmarks.lib.report import shown, suffixed, write_json, write_text
-from vllm_dp_plugin.benchmarks.lib.scenario_generator import STYLES, make_scenarios, write_scenarios
 from vllm_dp_plugin.benchmarks.lib.scenarios import (
     ANSWER_TOKENS,
     DEFAULT_CACHE,
@@ -148,28 +136,6 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "that this run does not measure")
     parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE, help="where the calibration is cached")
     parser.add_argument("--concurrency", type=int, default=8, help="requests in flight")
-    parser.add_argument("--speed", action="store_true",
-                        help="measure time per output token instead: stock (full context as plain prompt) vs "
-                             f"aggregate_vote at k = {', '.join(map(str, SPEED_MEMBERS))} (first --eps), one request "
-                             "at a time, and throughput at --concurrency; with --rows aggregate_answer (or "
-                             "aggregate_answer_batch, aggregate_extract): seconds per answer of full and that row over "
-                             f"{', '.join(map(str, ANSWER_DOCUMENTS))} documents")
-    parser.add_argument("--sweep", metavar="LEVELS",
-                        help="with --speed and --rows full and one of aggregate_answer, aggregate_answer_batch, "
-                             "aggregate_extract (or one of "
-                             "them): answers/s at each of these "
-                             f"numbers of questions in flight (comma-separated, e.g. 1,4,16), {SWEEP_REPEATS} "
-                             "repeats, median, on generated collections (one locked timed run per row)")
-    parser.add_argument("--make-scenarios", type=Path, metavar="OUT",
-                        help="write --count generated scenarios (seed --seed, --style) to OUT and exit; a held-out "
-                             "set: another seed, e.g. --make-scenarios /tmp/heldout.jsonl --seed 101, then "
-                             "--scenarios /tmp/heldout.jsonl")
-    parser.add_argument("--count", type=int, default=24, help="scenarios to generate (--make-scenarios)")
-    parser.add_argument("--seed", type=int, default=0,
-                        help="generator seed (--make-scenarios; the bundled set is seed 0)")
-    parser.add_argument("--style", choices=tuple(STYLES), default="realistic",
-                        help="generator style (--make-scenarios): realistic (the bundled set) or simple (the set "
-                             "bundled before issue 48)")
     return parser
 
 
@@ -213,11 +179,6 @@ def result_stem(out: Path, quick: bool, scenarios: Path, device: str, date: str)
 def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
     """``args``: parsed arguments (``add_cli_args``) or an argv list (``vllm-dp bench context ...``)."""
     args, argv = parse(args, build_parser)
-    if args.make_scenarios is not None:
-        path = write_scenarios(make_scenarios(args.count, args.seed, args.style), args.make_scenarios)
-        print(f"{args.count} {args.style} scenarios (seed {args.seed}) written to {path}; run them with "
-              f"`vllm-dp bench context --scenarios {path}`")
-        return 0
     rows = [r for r in args.rows.split(",") if r]
     eps = [float(e) for e in args.eps.split(",") if e]
     every = load_scenarios(args.scenarios)  # the file's: the report's header describes them all
@@ -236,36 +197,6 @@ def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
     date = today()
     device = device_label(default_device())  # the device vLLM serves on
     command = "vllm-dp bench context" + ("" if argv is None else " " + " ".join(argv))
-    if args.speed and args.sweep:
-        if not rows or set(rows) - {"full", *ANSWER_ROWS} or len(set(rows) & set(ANSWER_ROWS)) > 1:
-            raise SystemExit("--sweep measures --rows full and one of aggregate_answer, aggregate_answer_batch, "
-                             "aggregate_extract (either "
-                             "alone: one timed run each)")
-        levels = [int(c) for c in args.sweep.split(",") if c]
-        measured = answer_sweep(model, work, args.cache_dir, levels, eps[0], max_tokens, rows=rows)
-        data = {"model": model, "device": device, "date": date, "command": command.strip(), "eps": eps[0],
-                "mechanism": "answer", "repeats": SWEEP_REPEATS, "rows": measured,
-                "platform": platform.platform(), "wall_s": time.perf_counter() - started}
-        stem = args.out / f"context-answer-sweep-{'-'.join(rows)}-{device}-{date}"
-        write_json(suffixed(stem, ".json"), data, indent=1)
-        write_text(suffixed(stem, ".md"), sweep_markdown(data))
-        print(suffixed(stem, ".md").read_text())
-        shutil.rmtree(work, ignore_errors=True)
-        return 0
-    if args.speed:
-        answer = len(rows) == 1 and rows[0] in ANSWER_ROWS
-        measured = (answer_speed(model, work, args.cache_dir, ANSWER_DOCUMENTS, eps[0], max_tokens, rows[0])
-                    if answer else speed(bench, SPEED_MEMBERS, eps[0]))
-        data = {"model": model, "device": device, "date": date, "command": command.strip(), "eps": eps[0],
-                "mechanism": "answer" if answer else "vote", "rows": measured,
-                "platform": platform.platform(), "wall_s": time.perf_counter() - started}
-        kind = rows[0].removeprefix("aggregate_") + "-" if answer else ""  # answer- / extract-
-        stem = args.out / f"context-{kind}speed-{device}-{date}"
-        write_json(suffixed(stem, ".json"), data, indent=1)
-        write_text(suffixed(stem, ".md"), (answer_speed_markdown if answer else speed_markdown)(data))
-        print(suffixed(stem, ".md").read_text())
-        shutil.rmtree(work, ignore_errors=True)
-        return 0
     questions = [q for s in every for q in s["questions"]]
     by_support = {}
     for q in questions:

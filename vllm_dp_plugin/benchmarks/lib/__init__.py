@@ -1,7 +1,7 @@
-"""What every benchmark suite shares; suites import from here, never from one another.
+"""What every benchmark suite shares (those of ``vllm-dp bench`` and the repository's research suites,
+``benchmarks/``, whose ``benchmarks.lib`` adds timing, peak memory and the scenario generator);
+suites import from here, never from one another.
 
-* ``measure``: wall-clock timing of (CUDA-synchronised) calls and ``PeakMemory``, the one peak
-  memory measurement of every suite;
 * ``environment``: the device label of result file names, the machine/software description of a
   result, load average and free memory;
 * ``report``: markdown tables and number formatting, JSON (numpy/torch/paths), CSV and PNG writers;

@@ -17,22 +17,11 @@ DEFAULT_OUT = Path("benchmarks/results")  # relative to the working directory
 # One worked example per suite, the last lines of ``vllm-dp bench SUITE --help`` (``parse`` and
 # ``with_example`` add it to the suite's parser). Quick runs write outside benchmarks/results/.
 EXAMPLES = {
-    "attention": "vllm-dp bench attention --quick --out /tmp/bench-attention",
     "serve": "vllm-dp bench serve --quick --out /tmp/bench-serve",
-    "prompt": "vllm-dp bench prompt --quick --out /tmp/bench-prompt",
     "prompt-answers": "vllm-dp bench prompt-answers --quick --out /tmp/bench-prompt-answers",
-    "prompt-ttft": "vllm-dp bench prompt-ttft --model .models/smollm2-135m-instruct --quick --out /tmp/bench-ttft",
-    "prompt-speed": "vllm-dp bench prompt-speed --quick --out /tmp/bench-prompt-speed",
-    "dpformer": "vllm-dp bench dpformer --quick --out /tmp/bench-dpformer",
-    "train": "vllm-dp bench train --quick --out /tmp/bench-train",
     "canary": "vllm-dp bench canary --model smollm2 --seq-len 32 --work /tmp/canary-work --out /tmp/bench-canary",
     "context": "vllm-dp bench context --quick --rows none,full,aggregate_answer --out /tmp/bench-context",
-    "whisper": "vllm-dp bench whisper --quick --out /tmp/bench-whisper",
-    "attention-real": "vllm-dp bench attention-real --quick --out /tmp/bench-attention-real",
-    "attention-ladder": "vllm-dp bench attention-ladder --limit 1 --sizes '' --modes full,block,clustered64 --out /tmp/bench-ladder",
-    "aggregate-batch": "vllm-dp bench aggregate-batch --quick --out /tmp/bench-aggregate-batch",
     "ledger": "vllm-dp bench ledger --quick --out /tmp/bench-ledger",
-    "decode-step": "vllm-dp bench decode-step --quick --out /tmp/bench-decode-step",
     "faults": "vllm-dp bench faults --setups attention-demo --trials 1 --out /tmp/bench-faults",
     "load": "vllm-dp bench load --modes aggregate,none --requests 100 --soak-minutes 2 --out /tmp/bench-load",
     "fuzz": "vllm-dp bench fuzz --modes aggregate --cases 100 --out /tmp/bench-fuzz",

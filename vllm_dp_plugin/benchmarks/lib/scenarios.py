@@ -1,9 +1,9 @@
 """The private-context benchmarks' shared data: the chat model, the scenarios (``bench context``'s
 schema and bundled file), the token layout of a context and a question, answer scoring, and the
-model's cached public calibration. Used by ``bench context`` and ``bench attention-real``;
-``resolve_model`` also by ``bench train``, ``bench canary`` and ``bench aggregate-batch``, and
+model's cached public calibration. Used by ``bench context`` and ``benchmarks.attention_real``;
+``resolve_model`` also by ``benchmarks.train``, ``bench canary`` and ``benchmarks.aggregate_batch``, and
 ``load_causal_lm`` (pretrained weights, or random ones for a directory holding only the
-architecture) by ``bench train`` and ``bench aggregate-batch``."""
+architecture) by ``benchmarks.train`` and ``benchmarks.aggregate_batch``."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""``vllm-dp bench prompt --answers`` (= ``vllm-dp bench prompt-answers``): answer accuracy of a real model on privatized questions.
+"""``vllm-dp bench prompt-answers``: answer accuracy of a real model on privatized questions.
 
-``vllm-dp bench prompt`` measures prompt privatization as token preservation on MiniLM's
+The repository's ``python -m benchmarks.prompt`` measures prompt privatization as token preservation on MiniLM's
 vocabulary; this suite asks what a real chat model answers when the user's question has been
 privatized by the plugin's own service, exactly as the server runs it:
 
@@ -101,7 +101,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def build_parser(prog: str = "vllm-dp bench prompt-answers") -> argparse.ArgumentParser:
     return add_cli_args(argparse.ArgumentParser(
         prog=prog,
-        description="(Also `vllm-dp bench prompt --answers`.) Answer accuracy of SmolLM2-135M-Instruct on questions privatized per token by the "
+        description="Answer accuracy of SmolLM2-135M-Instruct on questions privatized per token by the "
         "plugin's prompt privacy service, every mechanism vs per-token eps and vs the receipt's total eps, "
         "with the un-privatized question as reference. Writes md/json/png.",
     ))
@@ -125,7 +125,7 @@ def load_results(path: Path) -> tuple[dict, Settings]:
 
 
 def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
-    """``args``: parsed options (``add_cli_args``) or an argv list (``vllm-dp bench prompt --answers ...``)."""
+    """``args``: parsed options (``add_cli_args``) or an argv list (``vllm-dp bench prompt-answers ...``)."""
     args, argv = parse(args, build_parser)
     if args.render:
         results, settings = load_results(args.render)

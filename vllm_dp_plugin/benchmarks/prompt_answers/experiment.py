@@ -79,7 +79,7 @@ def run(settings: Settings, llm=None) -> dict:
     picks = example_picks(questions)
     rows, examples = [], {}
     bench.timing.update(privatize_s=0.0, generate_s=0.0)
-    bar = Progress(settings.progress).bar(len(jobs), "bench prompt --answers")
+    bar = Progress(settings.progress).bar(len(jobs), "bench prompt-answers")
     for name, eps in jobs:
         bar.set_postfix_str(name if eps is None else f"{name} eps={eps:g}")
         try:
