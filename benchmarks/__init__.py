@@ -35,6 +35,8 @@ SUITES = {  # module -> (what it measures, its worked example's options)
                       "--rows aggregate_extract --eps 4 --out /tmp/bench-context-speed"),
     "make_scenarios": ("generated private-context scenarios: the bundled set (seed 0) and held-out sets",
                        "/tmp/heldout.jsonl --count 12 --seed 101"),
+    "ledger_jsonl": ("budget ledger speed with the JSONL + flock ledger SQLite replaced (from a git revision)",
+                     "--quick --backends sqlite,jsonl --out /tmp/bench-ledger-jsonl"),
     "prompt": ("prompt privatization: token preservation and sentence cosine vs eps, true delta",
                "--quick --out /tmp/bench-prompt"),
     "prompt_ttft": ("prompt privatization: overhead on vLLM time to first token",

@@ -15,7 +15,7 @@ whose prompt holds every document; the plain request here is shorter, so the bou
   documents give 21 members 0-7 documents each, member prompts of 41-298 SmolLM2 tokens (median
   ~150; the plain request ~45). Questions: the first question of each of those scenarios.
 * Model: ``--model`` (``smollm2``, imported on first use, or a Hugging Face directory; one with
-  only a ``config.json`` and a tokenizer gets seeded random weights, ``lib.scenarios.load_causal_lm``:
+  only a ``config.json`` and a tokenizer gets seeded random weights, ``benchmarks.lib.models.load_causal_lm``:
   the times do not depend on the values), its tokenizer's chat template; float32 on CPU, bfloat16
   on CUDA (``--dtype``).
 * Generation: ``model.generate``, greedy, the prompts left-padded into one batch, KV cache, exactly
@@ -49,6 +49,7 @@ import torch
 
 from benchmarks import with_example
 from benchmarks.lib.measure import timed
+from benchmarks.lib.models import has_weights, load_causal_lm
 from vllm_dp_plugin.aggregate.documents import Collection, Document, member_texts
 from vllm_dp_plugin.benchmarks.lib.cli import (
     add_date_arg,
@@ -67,13 +68,7 @@ from vllm_dp_plugin.benchmarks.lib.environment import (
 )
 from vllm_dp_plugin.benchmarks.lib.progress import logger
 from vllm_dp_plugin.benchmarks.lib.report import suffixed, table, write_json, write_text
-from vllm_dp_plugin.benchmarks.lib.scenarios import (
-    DEFAULT_SCENARIOS,
-    has_weights,
-    load_causal_lm,
-    load_scenarios,
-    resolve_model,
-)
+from vllm_dp_plugin.benchmarks.lib.scenarios import DEFAULT_SCENARIOS, load_scenarios, resolve_model
 
 PARTITION_KEY = b"python -m benchmarks.aggregate_batch"  # public: a server uses its deployment's key
 INSTRUCTION = "Answer with a short phrase copied from the documents above, or NONE."

@@ -481,7 +481,8 @@ def build_parser(prog: str = "python -m benchmarks.attention_ladder") -> argpars
 def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
-    from vllm_dp_plugin.benchmarks.lib.scenarios import DEFAULT_SCENARIOS, load_causal_lm
+    from benchmarks.lib.models import load_causal_lm
+    from vllm_dp_plugin.benchmarks.lib.scenarios import DEFAULT_SCENARIOS
 
     args, argv = parse(args, build_parser)
     unknown = set(args.modes) - set(MODES) - {f"clustered{m}" for m in range(1, 4097)}

@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import with_example
-from benchmarks.lib.measure import synchronize, timed_calls
+from benchmarks.lib.measure import free_bytes, synchronize, timed_calls
 from vllm_dp_plugin.benchmarks.lib.cli import (
     add_date_arg,
     add_device_arg,
@@ -55,7 +55,6 @@ from vllm_dp_plugin.benchmarks.lib.environment import (
     default_device,
     device_label,
     environment,
-    free_bytes,
     loadavg,
 )
 from vllm_dp_plugin.benchmarks.lib.progress import logger

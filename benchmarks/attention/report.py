@@ -3,7 +3,9 @@ a saved results JSON back (``--render``)."""
 
 from __future__ import annotations
 
+import csv
 import math
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +25,6 @@ from vllm_dp_plugin.benchmarks.lib.report import (
     save_figure,
     suffixed,
     table,
-    write_csv,
     write_json,
     write_text,
 )
@@ -431,3 +432,20 @@ def load_results(path: Path) -> tuple[dict, Settings]:
     results["targets"] = targets(results)
     results["notes"] = default_notes(results, settings)
     return results, settings
+
+
+def write_csv(path: Path, rows: Sequence[dict]) -> Path | None:
+    """One row per dict; the columns are every scalar key in first-seen order (list and dict
+    values are left out). Nothing is written for no rows (None)."""
+    if not rows:
+        return None
+    keys: list[str] = []
+    for row in rows:
+        keys += [k for k in row if k not in keys and not isinstance(row[k], (list, dict))]
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=keys, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    return path

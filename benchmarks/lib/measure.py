@@ -164,3 +164,21 @@ class PeakMemory:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def free_bytes(device) -> int:
+    """Free memory of ``device`` in bytes: CUDA free device memory, else the host's
+    ``MemAvailable`` (2^62 where unknown)."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 1 << 62

@@ -43,7 +43,7 @@ A real model (``--model smollm2``: SmolLM2-135M-Instruct, ``.models/smollm2-135m
 imported on first use; or any Hugging Face Llama directory) replaces the GPT-2 preset: its
 pretrained float32 weights (tied 49,152-token embedding for SmolLM2; ``opacus_ghost_untied``
 gets an untied copy of the output head), or seeded random ones for a directory holding only a
-``config.json`` (``lib.scenarios.load_causal_lm``: SmolLM2's architecture carried to a GPU machine
+``config.json`` (``benchmarks.lib.models.load_causal_lm``: SmolLM2's architecture carried to a GPU machine
 its weights cannot reach; step time and memory do not depend on the values), a seeded batch of
 uniform token ids from its vocabulary with ``position_ids [B, T]`` (default 32 x 128 on CPU,
 32 x 512 on CUDA), and three LoRA rows (``peft`` adapters from ``trainer.lora``, default r 8,
@@ -86,6 +86,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import with_example
+from benchmarks.lib.models import has_weights
 from benchmarks.train.measure import run_isolated
 from benchmarks.train.methods import METHODS, PRESET_METHODS
 from benchmarks.train.report import _mib, plot, render_markdown
@@ -112,7 +113,7 @@ from vllm_dp_plugin.benchmarks.lib.environment import (
 )
 from vllm_dp_plugin.benchmarks.lib.progress import logger
 from vllm_dp_plugin.benchmarks.lib.report import suffixed, write_json, write_text
-from vllm_dp_plugin.benchmarks.lib.scenarios import has_weights, resolve_model
+from vllm_dp_plugin.benchmarks.lib.scenarios import resolve_model
 from vllm_dp_plugin.trainer.lora import LoraSpec
 
 MODEL_BATCH = {"cpu": (32, 128), "cuda": (32, 512)}  # --model default (batch, seq len) by device type

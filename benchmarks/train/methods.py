@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from benchmarks.lib.measure import free_bytes
 from benchmarks.train.spec import (
     Batch,
     BenchSpec,
@@ -18,7 +19,6 @@ from benchmarks.train.spec import (
     _per_sample_loss,
     _trainable,
 )
-from vllm_dp_plugin.benchmarks.lib.environment import free_bytes
 from vllm_dp_plugin.trainer.engine import DPConfig, DPEngine, causal_lm_per_sample_loss
 
 NAIVE_COPIES = 3  # per-sample gradients, their clipped/squared temporaries, vmap's own buffers

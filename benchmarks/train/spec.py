@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vllm_dp_plugin.benchmarks.lib.scenarios import load_causal_lm
+from benchmarks.lib.models import load_causal_lm
 from vllm_dp_plugin.trainer.engine import causal_lm_per_sample_loss
 from vllm_dp_plugin.trainer.lora import LoraSpec, apply_lora
 

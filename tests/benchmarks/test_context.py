@@ -114,8 +114,8 @@ def test_scorer_is_a_case_insensitive_substring_within_32_tokens():
 
 def test_summary_rows_have_exactly_the_schema_keys():
     A = Answer
-    answers = [A("s0", "shared", 3, True, "", 1), A("s0", "shared", 3, False, "", 1), A("s0", "shared", 20, True, "", 1),
-               A("s0", "secret", 1, True, "", 1), A("s0", "public", 0, False, "", 1), A("s1", "public", 0, True, "", 1)]
+    answers = [A("s0", "shared", 3, True, ""), A("s0", "shared", 3, False, ""), A("s0", "shared", 20, True, ""),
+               A("s0", "secret", 1, True, ""), A("s0", "public", 0, False, ""), A("s1", "public", 0, True, "")]
     row = summarize("dp_state", 8.0, answers, 3.0)
     assert tuple(row) == ROW_KEYS
     assert row["shared_accuracy"] == {"3": 0.5, "20": 1.0}
@@ -249,7 +249,7 @@ def test_rows_split_scenarios_over_servers():
 def test_append_keeps_rows_not_measured_again(tmp_path):
     scenarios = "s.jsonl"
     row = {"row": "none", "eps": None}
-    old = {"model": "m", "scenarios": scenarios, "max_tokens": 32, "command": "first",
+    old = {"model": "m", "scenarios": scenarios, "max_tokens": 32, "command": "first", "earlier_commands": [],
            "rows": [row, {"row": "dp_state", "eps": 8.0}], "budgets": [{"row": "dp_state", "eps": 8.0}],
            "sample_answers": [{"row": "none", "eps": None, "text": "x"}]}
     path = tmp_path / "r.json"

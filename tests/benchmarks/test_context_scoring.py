@@ -82,38 +82,38 @@ def test_fallbacks_must_say_they_are_not_from_the_documents():
 
 
 def test_score_hand_written_replies():
-    right = score(SCENARIO, Q_ROOM, "From the documents: Room 12.", 20, receipt("Room 12"))
+    right = score(SCENARIO, Q_ROOM, "From the documents: Room 12.", receipt("Room 12"))
     assert right.correct and right.release == "right" and right.unsupported == () and right.marked is None
-    wrong = score(SCENARIO, Q_ROOM, "From the documents: room 22.", 20, receipt("room 22"))
+    wrong = score(SCENARIO, Q_ROOM, "From the documents: room 22.", receipt("room 22"))
     assert not wrong.correct and wrong.release == "wrong" and wrong.unsupported == ()  # 22 is the release's
-    fragment = score(SCENARIO, Q_ROLE, "From the documents: regional.", 20, receipt("regional"))
+    fragment = score(SCENARIO, Q_ROLE, "From the documents: regional.", receipt("regional"))
     assert not fragment.correct and fragment.release == "fragment"
-    date = score(SCENARIO, Q_ROOM, "From the documents: Room 12. The review moves to Room 14 on October 3.", 20,
+    date = score(SCENARIO, Q_ROOM, "From the documents: Room 12. The review moves to Room 14 on October 3.",
                  receipt("Room 12"))
     assert date.correct and date.release == "right" and date.unsupported == ("14", "october", "3")
-    unmarked = score(SCENARIO, Q_ROLE, "The regional manager for the West Coast is Kenny McCaffer.", 20,
+    unmarked = score(SCENARIO, Q_ROLE, "The regional manager for the West Coast is Kenny McCaffer.",
                      receipt(None))
     assert unmarked.release == "none" and unmarked.marked is False and unmarked.fact is None
     assert unmarked.correct and unmarked.unsupported == ("west", "coast", "kenny", "mccaffer")
-    marked = score(SCENARIO, Q_CODE, f"{NOT_FROM_DOCUMENTS}", 20, receipt(None))
+    marked = score(SCENARIO, Q_CODE, f"{NOT_FROM_DOCUMENTS}", receipt(None))
     assert marked.marked is True and not marked.correct and marked.unsupported == ()
-    plain = score(SCENARIO, Q_ROOM, "It is held in Room 12.", 20)  # no receipt: rows without a release
+    plain = score(SCENARIO, Q_ROOM, "It is held in Room 12.")  # no receipt: rows without a release
     assert plain.release is None and plain.marked is None and plain.unsupported == ("12",)
-    full = score(SCENARIO, Q_ROOM, "It is held in Room 12 (HR-2231).", 20, None, SCENARIO["documents"])
+    full = score(SCENARIO, Q_ROOM, "It is held in Room 12 (HR-2231).", None, SCENARIO["documents"])
     assert full.unsupported == ()  # `full`: the documents are in its prompt
-    vote = score(SCENARIO, Q_ROOM, "Room 12", 20, {"private_tokens": 3})  # a token-level receipt: no release
+    vote = score(SCENARIO, Q_ROOM, "Room 12", {"private_tokens": 3})  # a token-level receipt: no release
     assert vote.release is None
 
 
 def test_the_row_reports_release_fallback_and_specific_rates():
     answers = [
-        score(SCENARIO, Q_ROOM, "From the documents: Room 12.", 20, receipt("Room 12")),
-        score(SCENARIO, Q_ROOM, "From the documents: room 22.", 20, receipt("room 22")),
-        score(SCENARIO, Q_ROLE, "From the documents: regional.", 20, receipt("regional")),
-        score(SCENARIO, Q_ROLE, "Kenny McCaffer approves them.", 20, receipt(None)),  # unmarked, invents
-        score(SCENARIO, Q_CODE, NOT_FROM_DOCUMENTS, 20, receipt(None)),
-        score(SCENARIO, Q_CODE, "From the documents: 123456.", 20, receipt("123456")),  # another site's code
-        score(SCENARIO, Q_PUBLIC, MARKED, 20, receipt(None)),
+        score(SCENARIO, Q_ROOM, "From the documents: Room 12.", receipt("Room 12")),
+        score(SCENARIO, Q_ROOM, "From the documents: room 22.", receipt("room 22")),
+        score(SCENARIO, Q_ROLE, "From the documents: regional.", receipt("regional")),
+        score(SCENARIO, Q_ROLE, "Kenny McCaffer approves them.", receipt(None)),  # unmarked, invents
+        score(SCENARIO, Q_CODE, NOT_FROM_DOCUMENTS, receipt(None)),
+        score(SCENARIO, Q_CODE, "From the documents: 123456.", receipt("123456")),  # another site's code
+        score(SCENARIO, Q_PUBLIC, MARKED, receipt(None)),
     ]
     row = summarize("aggregate_answer", 4.0, answers, 7.0)
     assert tuple(row) == ROW_KEYS
@@ -127,7 +127,7 @@ def test_the_row_reports_release_fallback_and_specific_rates():
     assert row["releases"]["secret"] == {"right": 0, "fragment": 0, "wrong": 1, "none": 1}
     assert row["releases"]["public"]["none"] == 1
     json.dumps(row)
-    plain = summarize("full", None, [score(SCENARIO, Q_ROOM, "Room 12", 20)], 1.0)
+    plain = summarize("full", None, [score(SCENARIO, Q_ROOM, "Room 12")], 1.0)
     assert plain["wrong_release_rate"] is None and plain["fallback_unmarked_rate"] is None
     assert plain["releases"] is None and plain["unsupported_specific_rate"] == 1.0
     assert tuple(unfit("x", None, "why")) == (*ROW_KEYS, "note")
@@ -142,8 +142,8 @@ def _data(rows, samples=()):
 
 
 def test_markdown_shows_the_new_columns_and_reads_rows_of_older_files():
-    answers = [score(SCENARIO, Q_ROOM, "From the documents: room 22.", 20, receipt("room 22")),
-               score(SCENARIO, Q_CODE, "Ask Kenny McCaffer, he knows it: 4711.", 20, receipt(None))]
+    answers = [score(SCENARIO, Q_ROOM, "From the documents: room 22.", receipt("room 22")),
+               score(SCENARIO, Q_CODE, "Ask Kenny McCaffer, he knows it: 4711.", receipt(None))]
     new = summarize("aggregate_answer", 4.0, answers, 2.0)
     old = {"row": "none", "eps": None, "shared_accuracy": {"10": 0.0}, "secret_leak_rate": 0.0,
            "public_accuracy": 1.0, "seconds_per_answer": 0.4, "n_questions": 7}  # written before issue 48
@@ -158,13 +158,13 @@ def test_markdown_shows_the_new_columns_and_reads_rows_of_older_files():
 
 def test_append_refuses_a_file_of_other_scenarios_content(tmp_path):
     path = tmp_path / "r.json"
-    old = {"model": "m", "scenarios": "s.jsonl", "max_tokens": 32, "command": "first", "rows": [],
-           "scenarios_sha256": "aaa"}
+    old = {"model": "m", "scenarios": "s.jsonl", "max_tokens": 32, "command": "first", "earlier_commands": [],
+           "rows": [], "budgets": [], "sample_answers": [], "scenarios_sha256": "aaa"}
     path.write_text(json.dumps(old))
     assert kept_rows(path, "m", "s.jsonl", 32, [], "aaa")["commands"] == ["first"]
     with pytest.raises(SystemExit, match="scenarios_sha256"):
         kept_rows(path, "m", "s.jsonl", 32, [], "bbb")
-    del old["scenarios_sha256"]  # written before the digest: read as it is
+    del old["scenarios_sha256"]  # written before the digest (2026-11-28): read as it is
     path.write_text(json.dumps(old))
     assert kept_rows(path, "m", "s.jsonl", 32, [], "bbb")["commands"] == ["first"]
 
@@ -181,5 +181,5 @@ def test_correct_is_a_whole_phrase():
 
 
 def test_an_answer_without_a_receipt_keeps_the_old_fields():
-    a = Answer("s0", "shared", 3, True, "x", 1)
+    a = Answer("s0", "shared", 3, True, "x")
     assert a.release is None and a.unsupported == () and a.marked is None

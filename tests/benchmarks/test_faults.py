@@ -3,13 +3,16 @@ over a trial's outcomes (and the cases it must reject), the probe and release ch
 stream's receipt, the engine core found in a process tree, the config written into the trial's
 directory."""
 
+import os
+import signal
 import subprocess
 import sys
 
+import psutil
 import pytest
 import yaml
 
-from vllm_dp_plugin.benchmarks.faults import checks, load, processes, trials
+from vllm_dp_plugin.benchmarks.faults import checks, trials
 from vllm_dp_plugin.cli import BENCH_SUITES
 from vllm_dp_plugin.privacy.accountant import Budget
 
@@ -50,10 +53,10 @@ def test_outcome_kinds_and_in_flight():
 
 
 def test_bounds_are_the_stated_inequality():
-    b = checks.bounds(BEFORE, OUTCOMES, WORST, LEAST)
-    assert b.low == Budget(40.0 + 3.0 + 1.0 + 1.0, 0.0)  # S0 + receipts + |R| m
-    assert b.high == Budget(40.0 + 4.0 + 2 * 8.0, 2 * 1e-6)  # S0 + receipts + (|R| + |N|) w
-    assert (b.queries_low, b.queries_high) == (13, 14)
+    low, high = checks.bounds(BEFORE, OUTCOMES, WORST, LEAST)
+    assert low.spent == Budget(40.0 + 3.0 + 1.0 + 1.0, 0.0)  # S0 + receipts + |R| m
+    assert high.spent == Budget(40.0 + 4.0 + 2 * 8.0, 2 * 1e-6)  # S0 + receipts + (|R| + |N|) w
+    assert (low.queries, high.queries) == (13, 14)
 
 
 @pytest.mark.parametrize("spent, queries", [(45.0, 13), (53.0, 14), (60.0, 14)])
@@ -114,8 +117,8 @@ def test_probe_and_release():
 def test_last_receipt_of_a_stream():
     lines = ['data: {"choices":[{"delta":{"content":"x"}}]}',
              'data: {"choices":[{"delta":{}}],"dp_receipt":{"epsilon":2.0}}', "data: [DONE]"]
-    assert load.last_receipt(lines) == {"epsilon": 2.0}
-    assert load.last_receipt(['data: {"error":{"code":500}}', "data: [DONE]"]) is None
+    assert trials.last_receipt(lines) == {"epsilon": 2.0}
+    assert trials.last_receipt(['data: {"error":{"code":500}}', "data: [DONE]"]) is None
 
 
 def test_engine_core_found_by_its_title():
@@ -126,18 +129,23 @@ def test_engine_core_found_by_its_title():
     try:
         for _ in range(50):
             try:
-                core = processes.engine_core(parent.pid)
+                core = trials.victim(trials.ENGINE_CORE, parent.pid)
                 break
             except RuntimeError:
                 subprocess.run(["sleep", "0.1"], check=True)
         else:
             pytest.fail("no engine core found")
-        assert processes.victim(processes.ENGINE_CORE, parent.pid) == core.pid != parent.pid
-        assert processes.victim(processes.API_SERVER, parent.pid) == parent.pid
-        processes.kill9(core.pid)
-        assert processes.wait_exit(core.pid, 5.0) is not None
+        assert core != parent.pid and psutil.Process(core).ppid() == parent.pid
+        assert trials.victim(trials.API_SERVER, parent.pid) == parent.pid
+        os.kill(core, signal.SIGKILL)
+        for _ in range(50):
+            if psutil.Process(core).status() == psutil.STATUS_ZOMBIE:  # killed, not reaped by its parent
+                break
+            subprocess.run(["sleep", "0.1"], check=True)
+        else:
+            pytest.fail("the engine core survived kill -9")
     finally:
-        for child in __import__("psutil").Process(parent.pid).children(recursive=True):
+        for child in psutil.Process(parent.pid).children(recursive=True):
             child.kill()
         parent.kill()
         parent.wait()

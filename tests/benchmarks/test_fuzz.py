@@ -20,14 +20,16 @@ from vllm_dp_plugin.benchmarks.fuzz.checks import (
     Private,
     budget_problems,
     check_response,
+    has_receipt,
     log_problems,
 )
 from vllm_dp_plugin.benchmarks.fuzz.runner import (
     CHAT,
+    DP_PROMPTS,
+    KEPT_FIELDS,
     Fuzzer,
-    asgi_sender,
     bound_body,
-    has_receipt,
+    dp_core,
     kind_counts,
     run_order,
     split_cases,
@@ -103,7 +105,7 @@ def fuzz(api: FastAPI, private: Private, count=None, cases: int = INJECTED, path
     if path is not None:
         schema = schema.include(path=path)
     statement = api.state.dp_budget
-    fuzzer = Fuzzer(schema, private, asgi_sender(), statement.compute, count, options=OPTIONS)
+    fuzzer = Fuzzer(schema, private, {}, statement.compute, count, options=OPTIONS)
     result = fuzzer.run(cases)
     return result if tally else result.summary()
 
@@ -145,12 +147,11 @@ def test_kinds_of_case_split_by_weight():
 def test_dp_cases_carry_a_client_core_and_the_mode_options():
     from hypothesis import given, settings
 
-    from vllm_dp_plugin.benchmarks.fuzz.runner import KEPT_FIELDS, _dp_chat
-
     seen = []
+    options = {"dp_context": ("c",), "dp_epsilon": (1.0,), "dp_session": ()}
 
     @settings(max_examples=60, database=None, deadline=None)
-    @given(_dp_chat("m", {"dp_context": ("c",), "dp_epsilon": (1.0,), "dp_session": ()}))
+    @given(dp_core("m", options, DP_PROMPTS["/v1/chat/completions"]))
     def check(body):
         seen.append(body)
         assert body["messages"][-1]["role"] == "user" and 1 <= body["max_tokens"] <= 16
@@ -215,11 +216,11 @@ def test_leak_rules(private):
 
 def test_bound_body_caps_the_work_and_keeps_bad_types():
     body = {"max_tokens": 10**6, "n": 50, "min_tokens": 99}
-    bound_body(body, 16)
+    bound_body(body)
     assert body == {"max_tokens": 16, "n": 2, "min_tokens": 16}
     body = {"messages": []}
-    bound_body(body, 16)
+    bound_body(body)
     assert body["max_tokens"] == 16
     body = {"max_tokens": "lots", "n": True}
-    bound_body(body, 16)
+    bound_body(body)
     assert body == {"max_tokens": "lots", "n": True}

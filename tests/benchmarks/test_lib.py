@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import benchmarks as research
+from benchmarks.attention.report import write_csv
 from benchmarks.lib import measure
 from vllm_dp_plugin import benchmarks
 from vllm_dp_plugin.benchmarks.lib import cli, environment, report
@@ -109,9 +110,9 @@ def test_report_json_round_trips_numpy_torch_and_paths(tmp_path):
 
 def test_report_csv_table_and_names(tmp_path):
     rows = [{"a": 1, "b": [1, 2], "c": "x"}, {"d": 2.5, "a": 3}]
-    path = report.write_csv(tmp_path / "r.csv", rows)
+    path = write_csv(tmp_path / "r.csv", rows)
     assert path.read_text().splitlines() == ["a,c,d", "1,x,", "3,,2.5"]
-    assert report.write_csv(tmp_path / "none.csv", []) is None and not (tmp_path / "none.csv").exists()
+    assert write_csv(tmp_path / "none.csv", []) is None and not (tmp_path / "none.csv").exists()
     assert report.table(["n", "v"], [[1, 0.12345], ["s", None]]) == "| n | v |\n|---|---|\n| 1 | 0.123 |\n| s | n/a |"
     assert [report.fmt(x) for x in (np.int64(5), 1e-5, 12345.0, math.inf, 0.0)] == ["5", "1.00e-05", "1.23e+04", "inf", "0"]
     assert report.suffixed(Path("out/x-cpu-2026.1"), ".json") == Path("out/x-cpu-2026.1.json")
@@ -137,7 +138,7 @@ def test_environment_label_and_description():
     assert info["surely-not-a-package"] == "not installed" and "gpu" not in info
     load = environment.loadavg()
     assert load is None or (len(load) == 3 and all(x >= 0 for x in load))
-    assert environment.free_bytes("cpu") > 0
+    assert measure.free_bytes("cpu") > 0
 
 
 def test_cli_common_options_and_parse():
@@ -160,6 +161,7 @@ PACKAGE = benchmarks.__name__
 RESEARCH_DIR = Path(research.__file__).parent  # the repository's benchmarks/
 ROOT = RESEARCH_DIR.parent
 MAX_INSTALLED_LINES = 6000
+EXTENDS = {"context_speed": ("context",), "ledger_jsonl": ("ledger",)}  # research suite -> the package suite it extends
 
 
 def suite_units(root: Path = PACKAGE_DIR) -> dict[str, list[Path]]:
@@ -219,15 +221,15 @@ def test_no_suite_imports_another():
 
 
 def test_no_research_suite_imports_another():
-    """The research suites share ``benchmarks.lib`` and the package's ``lib``; ``context_speed`` times
-    the rows and servers of the package's ``context`` suite, which no other one imports."""
+    """The research suites share ``benchmarks.lib`` and the package's ``lib``; two extend a package
+    suite: ``context_speed`` times ``context``'s rows, ``ledger_jsonl`` adds a backend to ``ledger``."""
     units = suite_units(RESEARCH_DIR)
     assert set(units) == set(research.SUITES)
     bad = {}
     for name, files in units.items():
         for path in files:
             others = (imported_units(path, "benchmarks") & set(units)) - {name}
-            others |= imported_units(path) - {"lib", *(["context"] if name == "context_speed" else [])}
+            others |= imported_units(path) - {"lib", *EXTENDS.get(name, ())}
             if others:
                 bad[str(path.relative_to(RESEARCH_DIR))] = sorted(others)
     assert not bad, bad

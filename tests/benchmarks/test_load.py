@@ -1,4 +1,4 @@
-"""``vllm-dp bench load`` (``benchmarks.load``) without an engine: percentiles and slopes, the
+"""``vllm-dp bench load`` (``benchmarks.load``) without an engine: percentiles and fits, the
 ledger equation against synthetic receipts (holding, and broken every way it can break), the
 aggregate config of a run, the soak's trend verdict, and the client's cancellations against a
 small local aiohttp server that records what it saw."""
@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from aiohttp import web
 
-from vllm_dp_plugin.benchmarks.load import client, ledger, modes, soak, stats
+from vllm_dp_plugin.benchmarks import load
+from vllm_dp_plugin.benchmarks.load import client, ledger, soak
 from vllm_dp_plugin.cli import BENCH_SUITES
 from vllm_dp_plugin.config import parse_section
 
@@ -22,37 +23,35 @@ def test_registered():
     assert BENCH_SUITES["load"][0] == "load"
 
 
-# --------------------------------------------------------------------------- stats
+# --------------------------------------------------------------------------- numbers
 @pytest.mark.parametrize("q", [0, 1, 25, 50, 90, 99, 100])
 def test_percentile_matches_numpy(q):
     values = list(np.random.default_rng(0).exponential(size=37))
-    assert stats.percentile(values, q) == pytest.approx(np.percentile(values, q))
+    assert client.percentile(values, q) == pytest.approx(np.percentile(values, q))
 
 
 def test_percentile_edges():
-    assert stats.percentile([], 50) is None
-    assert stats.percentile([3.0], 99) == 3.0
+    assert client.percentile([], 50) is None
+    assert client.percentile([3.0], 99) == 3.0
     with pytest.raises(ValueError):
-        stats.percentile([1.0], 101)
-    assert stats.latency_summary([0.1, 0.3])["p50_ms"] == pytest.approx(200.0)
+        client.percentile([1.0], 101)
+    assert client.latency_summary([0.1, 0.3])["p50_ms"] == pytest.approx(200.0)
 
 
-def test_slope_recovers_a_line_and_refuses_too_few_points():
+def test_fit_recovers_a_line_and_refuses_too_few_points():
     xs = [0.0, 1.5, 2.0, 7.0]
-    b, a = stats.slope(xs, [3.0 - 0.25 * x for x in xs])
+    b, a = soak.fit([(x, 3.0 - 0.25 * x) for x in xs])
     assert (b, a) == (pytest.approx(-0.25), pytest.approx(3.0))
     noisy = [2.0 * x + e for x, e in zip(xs, (0.1, -0.1, 0.1, -0.1), strict=True)]
-    assert stats.slope(xs, noisy)[0] == pytest.approx(np.polyfit(xs, noisy, 1)[0])
-    for bad in (([1.0], [1.0]), ([1.0, 1.0], [1.0, 2.0]), ([1.0, 2.0], [1.0])):
-        with pytest.raises(ValueError):
-            stats.slope(*bad)
+    assert soak.fit(list(zip(xs, noisy, strict=True)))[0] == pytest.approx(np.polyfit(xs, noisy, 1)[0])
+    assert soak.fit([(1.0, 1.0)]) is None and soak.fit([(1.0, 1.0), (1.0, 2.0)]) is None
 
 
 def test_soak_trend_and_flat_verdict():
     samples = [soak.Sample(m, 100.0 + 2.0 * m, 500.0, 40.0 if m else None, 3, 3) for m in (0.0, 1.0, 2.0, 3.0)]
-    assert soak.trend(samples, "api_rss_mib") == pytest.approx(2.0)
-    assert soak.trend(samples, "engine_rss_mib") == pytest.approx(0.0)
-    assert soak.trend(samples, "p50_ms") == pytest.approx(0.0)  # the interval without latency is left out
+    assert soak.trend(soak.points(samples, "api_rss_mib")) == pytest.approx(2.0)
+    assert soak.trend(soak.points(samples, "engine_rss_mib")) == pytest.approx(0.0)
+    assert soak.trend(soak.points(samples, "p50_ms")) == pytest.approx(0.0)  # the interval without latency is left out
     assert soak.is_flat(2.0, 100.0, 20.0, 0.05) is False  # +40 MiB over 20 min on 100
     assert soak.is_flat(0.1, 100.0, 20.0, 0.05) is True
     assert soak.is_flat(None, 100.0, 20.0, 0.05) is None
@@ -121,12 +120,12 @@ def snapshot(spent: tuple[float, float], queries: int, mechanism: str = "answer"
 
 
 def test_statement_parsing():
-    statement = {"contexts": [{"name": "other", "mechanism": "vote", "per_query": {"worst_case": {}}, "ledger": {}},
-                              {"name": "northwind", "mechanism": "answer",
+    statement = {"contexts": [{"name": "northwind", "mechanism": "answer",
                                "per_query": {"worst_case": {"epsilon": 4.0, "delta": 1e-6}},
                                "ledger": {"spent": {"epsilon": 8.0, "delta": 2e-6}, "queries": 2,
-                                          "total": {"epsilon": 40.0, "delta": 1e-4}}}]}
-    assert ledger.LedgerSnapshot.from_statement(statement, "northwind") == snapshot((8.0, 2e-6), 2)
+                                          "total": {"epsilon": 40.0, "delta": 1e-4}}},
+                              {"name": "other", "mechanism": "vote", "per_query": {"worst_case": {}}, "ledger": {}}]}
+    assert ledger.LedgerSnapshot.from_statement(statement) == snapshot((8.0, 2e-6), 2)  # the first collection
 
 
 def answer_run():
@@ -194,15 +193,15 @@ def test_charges_of_outcomes():
 
 # --------------------------------------------------------------------------- modes
 def test_aggregate_config_runs_out_after_the_asked_queries(tmp_path):
-    section = modes.dp_section("aggregate", tmp_path / "k", total_queries=150, answer_tokens=16)
+    section = load.dp_section("aggregate", tmp_path / "k", total_queries=150, answer_tokens=16)
     cfg = parse_section(section).aggregate
     assert cfg.total_epsilon == 150 * cfg.epsilon and cfg.total_delta >= 150 * cfg.delta
     assert cfg.answer_tokens == 16 and Path(next(iter(cfg.collection_sources().values()))).is_file()
     assert section["key_file"] == str(tmp_path / "k")
-    assert modes.dp_section("none", tmp_path / "k") is None
-    assert parse_section(modes.dp_section("prompt", tmp_path / "k")).prompt is not None
-    with pytest.raises(ValueError):
-        modes.dp_section("bogus", tmp_path / "k")
+    assert load.dp_section("none", tmp_path / "k", 150, 16) is None
+    assert parse_section(load.dp_section("prompt", tmp_path / "k", 150, 16)).prompt is not None
+    with pytest.raises(KeyError):  # the options accept known modes only
+        load.dp_section("bogus", tmp_path / "k", 150, 16)
 
 
 def test_plan_halves_streams_and_gives_up_the_asked_fraction():
@@ -282,7 +281,6 @@ def test_client_cancels_streams_and_disconnects_plain_requests():
 
 
 def test_server_env_reaches_the_servers_and_the_report():
-    from vllm_dp_plugin.benchmarks import load
     from vllm_dp_plugin.benchmarks.load.report import _setup
 
     args = load.build_parser().parse_args(["--server-env", "GLIBC_TUNABLES=glibc.malloc.mmap_threshold=131072",

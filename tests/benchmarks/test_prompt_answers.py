@@ -5,7 +5,8 @@ end-to-end run on SmolLM2-135M-Instruct (marked ``vllm``).
 * the reference row reproduces the un-privatized prompt ids; a token row changes only the
   question's tokens, reproducibly (seeded per question), and its receipt composes over them;
 * the metric-DP rows are sent the metric epsilon whose converted guarantee is the grid eps;
-* the summary, markdown, JSON and plot of a fake result, failed rows shown as n/a, ``--render``.
+* the summary, markdown, JSON and plot of a fake result, failed rows shown as n/a, a saved JSON
+  rendered again, ``--append``.
 """
 
 import json
@@ -18,16 +19,22 @@ from pathlib import Path
 import pytest
 
 from vllm_dp_plugin.benchmarks.lib.scenarios import DEFAULT_MODEL
-from vllm_dp_plugin.benchmarks.prompt_answers import main
-from vllm_dp_plugin.benchmarks.prompt_answers.experiment import LLM_ARGS, appended
+from vllm_dp_plugin.benchmarks.prompt_answers import build_parser, settings_from_args
+from vllm_dp_plugin.benchmarks.prompt_answers.experiment import (
+    LLM_ARGS,
+    appended,
+    failed,
+    receipt_total,
+    summarize,
+)
 from vllm_dp_plugin.benchmarks.prompt_answers.privatizers import (
+    BASELINES,
     METRIC_DP,
     NO_QUESTION,
     PRIVATIZERS,
     REFERENCE,
     Bench,
     Privatized,
-    metric_epsilon,
     service_epsilon,
 )
 from vllm_dp_plugin.benchmarks.prompt_answers.questions import (
@@ -35,12 +42,11 @@ from vllm_dp_plugin.benchmarks.prompt_answers.questions import (
     build_questions,
     chat_messages,
 )
-from vllm_dp_plugin.benchmarks.prompt_answers.report import BASELINES, write_results
-from vllm_dp_plugin.benchmarks.prompt_answers.rows import failed, receipt_total, summarize
+from vllm_dp_plugin.benchmarks.prompt_answers.report import write_results
 from vllm_dp_plugin.benchmarks.prompt_answers.settings import Settings
 from vllm_dp_plugin.cli import BENCH_SUITES
 from vllm_dp_plugin.cli import main as cli_main
-from vllm_dp_plugin.prompt.segments import Segment
+from vllm_dp_plugin.prompt.segments import Segment, splice
 
 DATE = "2026-11-27"
 SMOLLM = Path(DEFAULT_MODEL)
@@ -87,7 +93,7 @@ def test_the_private_mask_is_exactly_the_question_tokens(demo):
         questions = build_questions(tokenizer, [SCENARIO])
         assert [q.kind for q in questions] == ["shared", "secret", "public"]
         for q, spec in zip(questions, SCENARIO["questions"], strict=True):
-            ids, mask = q.prompt_ids(), q.private_mask()
+            ids, mask = q.prompt_ids(), splice(q.segments)[1]
             assert len(ids) == len(mask)
             private = [t for t, m in zip(ids, mask, strict=True) if m]
             assert private == list(q.user_ids) == tokenizer.encode(spec["q"], add_special_tokens=False)
@@ -116,12 +122,12 @@ def test_smollm_segments_tokenise_like_the_whole_chat():
 
 
 def test_prompt_ids_splice_a_user_text_of_any_length():
-    q = Question("s", 0, "public", "hi", ("x",), (Segment((1, 2), False), Segment((7, 8, 9), True),
-                                                         Segment((3,), False)), 1)
+    q = Question("s/0", "public", "hi", ("x",), (Segment((1, 2), False), Segment((7, 8, 9), True),
+                                                      Segment((3,), False)), 1)
     assert q.prompt_ids() == [1, 2, 7, 8, 9, 3]
     assert q.prompt_ids([5]) == [1, 2, 5, 3]
     assert q.prompt_ids([]) == [1, 2, 3]
-    assert q.private_mask() == [False, False, True, True, True, False]
+    assert splice(q.segments)[1] == [False, False, True, True, True, False]
 
 
 # --------------------------------------------------------------------------- privatizers
@@ -142,7 +148,7 @@ def test_the_reference_row_reproduces_the_unprivatized_ids(demo, demo_bench):
     assert "total_epsilon" not in row
     empty = PRIVATIZERS[NO_QUESTION](demo_bench, None, questions)
     assert [q.prompt_ids(p.ids) for q, p in zip(questions, empty, strict=True)] == [
-        [t for t, m in zip(q.prompt_ids(), q.private_mask(), strict=True) if not m] for q in questions]
+        [t for t, m in zip(q.prompt_ids(), splice(q.segments)[1], strict=True) if not m] for q in questions]
 
 
 def test_a_token_row_changes_only_the_question_and_is_seeded(demo, demo_bench):
@@ -154,7 +160,7 @@ def test_a_token_row_changes_only_the_question_and_is_seeded(demo, demo_bench):
     assert [p.ids for p in laplace(demo_bench, 2.0, questions)] != [p.ids for p in done]
     for q, p in zip(questions, done, strict=True):
         assert len(p.ids) == len(q.user_ids)
-        out, mask = q.prompt_ids(p.ids), q.private_mask()
+        out, mask = q.prompt_ids(p.ids), splice(q.segments)[1]
         assert [t for t, m in zip(out, mask, strict=True) if not m] == [
             t for t, m in zip(q.prompt_ids(), mask, strict=True) if not m]
         assert p.receipt["tokens_privatized"] == len(q.user_ids)
@@ -170,7 +176,7 @@ def test_metric_rows_guarantee_the_grid_eps(demo, demo_bench):
     for name in METRIC_DP:
         eps_m = service_epsilon(demo_bench, name, 20.0)
         diameter = demo_bench.diameter(name)
-        assert eps_m == pytest.approx(20.0 / diameter) and eps_m == metric_epsilon(20.0, diameter)
+        assert eps_m == pytest.approx(20.0 / diameter)
         done = PRIVATIZERS[name](demo_bench, 20.0, questions)[0]
         assert done.receipt["epsilon_token"] == pytest.approx(20.0, rel=1e-12)
         assert done.info["service_epsilon"] == eps_m
@@ -188,9 +194,9 @@ def test_a_failing_calibration_is_a_row_not_a_crash(demo, demo_bench):
 
 
 # --------------------------------------------------------------------------- report
-def fake_results(tmp_path) -> tuple[dict, Settings]:
+def fake_results(tmp_path) -> dict:
     segs = (Segment((1,), False), Segment((5, 6), True), Segment((2,), False))
-    questions = [Question("s", i, kind, "q", ("yes",), segs, 1)
+    questions = [Question(f"s/{i}", kind, "q", ("yes",), segs, 1)
                  for i, kind in enumerate(["public", "shared", "shared", "secret"])]
 
     def receipt(eps, n=2, valid=True):
@@ -227,11 +233,11 @@ def fake_results(tmp_path) -> tuple[dict, Settings]:
         "timing": {"generate_s": 1.0},
         "runtime_s": 3.0,
     }
-    return results, settings
+    return results
 
 
 def test_summary_of_a_fake_run(tmp_path):
-    results, _ = fake_results(tmp_path)
+    results = fake_results(tmp_path)
     ref, lap5, paper5, cmp5 = results["rows"][:4]
     assert (ref["public_accuracy"], ref["shared_accuracy"], ref["secret_accuracy"]) == (1.0, 0.5, 0.0)
     assert ref["shared_n"] == 2 and ref["shared_ci"][0] < 0.5 < ref["shared_ci"][1]
@@ -243,8 +249,8 @@ def test_summary_of_a_fake_run(tmp_path):
 
 
 def test_markdown_json_and_plot_of_a_fake_run(tmp_path):
-    results, settings = fake_results(tmp_path)
-    files = write_results(results, settings)
+    results = fake_results(tmp_path)
+    files = write_results(results)
     stem = f"prompt-answers-cpu-{DATE}"
     assert [p.name for p in files] == [f"{stem}.md", f"{stem}.json", f"{stem}.png"]
     assert files[2].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -262,23 +268,31 @@ def test_markdown_json_and_plot_of_a_fake_run(tmp_path):
     saved = json.loads(files[1].read_text())
     assert saved["rows"][0]["mechanism"] == "reference" and saved["notes"]
     files[0].unlink()
-    assert main(["--render", str(files[1])]) == 0
+    write_results(saved)  # a saved result renders the same
     assert files[0].read_text() == text
 
 
 def test_append_replaces_rows_of_the_same_mechanism_and_eps(tmp_path):
-    results, settings = fake_results(tmp_path)
+    results = fake_results(tmp_path)
     results["data"]["keys"] = ["s/0", "s/1", "s/2", "s/3"]
-    write_results(results, settings)
+    write_results(results)
     new = json.loads(json.dumps(results))
     new["rows"] = [dict(results["rows"][1], shared_accuracy=1.0), {**results["rows"][1], "mechanism": "paraphrase"}]
-    merged = appended(new, Settings(**{**asdict(settings), "append": True}))
+    merged = appended(new)
     keys = [(r["mechanism"], r["eps"]) for r in merged["rows"]]
     assert len(keys) == len(set(keys)) == len(results["rows"]) + 1
     assert next(r for r in merged["rows"] if (r["mechanism"], r["eps"]) == ("laplace", 5.0))["shared_accuracy"] == 1.0
     new["data"]["keys"] = ["other"]
     with pytest.raises(SystemExit, match="other questions"):
-        appended(new, settings)
+        appended(new)
+
+
+def test_quick_sizes_yield_to_the_options_given():
+    argv = ["--quick", "--limit", "5", "--date", DATE]
+    settings = settings_from_args(build_parser().parse_args(argv), argv)
+    assert (settings.mechanisms, settings.epsilons, settings.limit) == (("laplace", "trlap_corrected"), (20.0, 200.0), 5)
+    assert settings.quick and settings.date == DATE and settings.seed == 0
+    assert settings.command == f"vllm-dp bench prompt-answers --quick --limit 5 --date {DATE}"
 
 
 def test_the_suite_is_routed(capsys):

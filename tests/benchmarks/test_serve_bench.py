@@ -6,6 +6,7 @@ import json
 import pytest
 
 from vllm_dp_plugin.benchmarks import serve as bench
+from vllm_dp_plugin.benchmarks.lib.vllm import config_env
 from vllm_dp_plugin.cli import main
 
 
@@ -33,12 +34,12 @@ def test_quick_run_measures_stock_and_dp_state(tmp_path):
 
 def test_dp_rows_get_the_private_context_and_stock_the_plain_prefix(tmp_path):
     s = bench.Settings(model="m", out=tmp_path, prefix_lens=(64,))
-    stock = bench.dataset_flags("stock", 64, s, "throughput")
-    dp = bench.dataset_flags("dp_state", 64, s, "throughput")
+    stock = bench.dataset_flags("stock", 64, s)
+    dp = bench.dataset_flags("dp_state", 64, s)
     assert stock[stock.index("--prefix-repetition-prefix-len") + 1] == "64"
     assert dp[dp.index("--random-input-len") + 1] == str(s.suffix_len)
-    assert bench.config_env("stock")["VLLM_PLUGINS"] == ""
-    assert "VLLM_PLUGINS" not in bench.config_env("plugin_off")
+    assert config_env("stock")["VLLM_PLUGINS"] == ""
+    assert "VLLM_PLUGINS" not in config_env("plugin_off")
     tree = bench.dp_config("tree", tmp_path / "c.txt", tmp_path / "cal.json", tmp_path / "k", s)
     assert tree["dp_privacy"]["attention"]["degree"] == 1
     state = bench.dp_config("state", tmp_path / "c.txt", tmp_path / "cal.json", tmp_path / "k", s)

@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from benchmarks.lib.measure import free_bytes
 from benchmarks.train import (
     MODEL_BATCH,
     _methods_from_args,
@@ -20,7 +21,6 @@ from benchmarks.train.measure import measure_method, run_isolated
 from benchmarks.train.methods import METHODS, PRESET_METHODS, naive_skip_reason
 from benchmarks.train.spec import PRESETS, BenchSpec, ModelSize, load_model
 from benchmarks.train.verdicts import NORM_RTOL, add_ratios, norm_check, targets
-from vllm_dp_plugin.benchmarks.lib.environment import free_bytes
 from vllm_dp_plugin.benchmarks.lib.scenarios import resolve_model
 from vllm_dp_plugin.trainer.lora import LoraSpec
 

@@ -1,21 +1,11 @@
 """Canary exposure and validation perplexity of DP fine-tuning a real model (the secret sharer test).
 
-Data: Python's bundled documentation (``pydoc_data.topics``, public), split by document into a
-held-out validation part (``--val-records`` windows) and a training part, into which
-``--per-level`` canaries ``"<person>'s PIN is <4 random digits>."`` are inserted for each
-``--repetitions`` count, every repetition its own document (``trainer.canary``). Each run
-fine-tunes ``--model`` with ``vllm-dp train``'s code path (LoRA by default, ``--full`` for full
-fine-tuning with Phantom Clipping) on the same records, sampler and schedule:
-
-* ``base``: the model as downloaded (no fine-tuning): the chance level of exposure and the
-  perplexity the fine-tuning should improve;
-* ``non-private``: the same training without clipping or noise;
-* ``dp eps=<e>``: DP-Adam at each ``--epsilons`` value, delta = 1 / (2N) per training record.
-
-Metrics: validation perplexity (and the fraction of the non-private run's log-perplexity gain a
-run keeps), and each canary's rank among all 10**digits candidates and its exposure in bits
-(``log2 C - log2 rank``; chance: a uniformly random rank, mean ~1.44 bits, P(exposure >= x) =
-2**-x). Writes ``canary-<model>-<device>-<date>.{md,json,png}`` into ``--out`` after every run.
+Python's bundled docs split into held-out validation windows and training text holding canaries
+``"<person>'s PIN is <digits>."`` (``trainer.canary``); runs ``base`` (no fine-tuning), ``non-private`` and
+``dp eps=<e>`` (delta = 1/(2N)), all with ``vllm-dp train``'s code. Metrics: validation perplexity and each
+canary's exposure, ``log2 C - log2 rank`` bits among C = 10**digits candidates (chance: mean ~1.44 bits,
+P(exposure >= x) = 2**-x). Rewrites ``canary-<model>-<setup>-<device>-<date>.{md,json,png}`` after every
+run (docs/training.md).
 """
 
 from __future__ import annotations
@@ -23,7 +13,6 @@ from __future__ import annotations
 import argparse
 import math
 import random
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -31,34 +20,11 @@ from pathlib import Path
 
 import torch
 
-from vllm_dp_plugin.benchmarks.lib.cli import (
-    add_date_arg,
-    add_out_arg,
-    command_line,
-    floats,
-    ints,
-    names,
-    parse,
-    today,
-)
+from vllm_dp_plugin.benchmarks.lib import cli, report
 from vllm_dp_plugin.benchmarks.lib.environment import device_label, environment, loadavg
 from vllm_dp_plugin.benchmarks.lib.progress import logger
-from vllm_dp_plugin.benchmarks.lib.report import (
-    fmt,
-    pyplot,
-    save_figure,
-    suffixed,
-    table,
-    write_json,
-    write_text,
-)
 from vllm_dp_plugin.benchmarks.lib.scenarios import resolve_model
-from vllm_dp_plugin.trainer.canary import (
-    canary_exposure,
-    insert_canaries,
-    make_canaries,
-    perplexity,
-)
+from vllm_dp_plugin.trainer import canary as secret_sharer
 from vllm_dp_plugin.trainer.lora import LLAMA_PROJECTIONS, LoraSpec
 from vllm_dp_plugin.trainer.train import TrainConfig, make_records, train
 
@@ -75,20 +41,22 @@ def split_documents(docs: Sequence[str], tokenizer, seq_len: int, val_records: i
     return order[held:], order[:held]
 
 
-def evaluate(model, tokenizer, val, canaries) -> dict:
-    model.eval()
-    exposures = [canary_exposure(model, tokenizer, c) for c in canaries]
-    return {"perplexity": perplexity(model, val), "canaries": exposures}
+def evaluate(directory, tokenizer, val, canaries) -> dict:
+    """The validation perplexity and every canary's exposure of the model in ``directory``."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    return {"perplexity": secret_sharer.perplexity(model, val),
+            "canaries": [secret_sharer.canary_exposure(model, tokenizer, c) for c in canaries]}
 
 
-def run_config(args, model: str, data: Path, work: Path, name: str, epsilon: float | None) -> TrainConfig:
+def run_config(args, model: str, data: Path, output_dir: Path, epsilon: float | None) -> TrainConfig:
+    """The training of one run (``epsilon`` None: non-private)."""
     lora = None if args.full else LoraSpec(r=args.lora_r, alpha=2.0 * args.lora_r, target_modules=args.lora_targets)
-    return TrainConfig(
-        model=model, output_dir=str(work / name), data=str(data), seq_len=args.seq_len,
-        epsilon=epsilon or 1.0, private=epsilon is not None, epochs=args.epochs, batch_size=args.batch_size,
-        max_physical_batch=args.max_physical_batch, learning_rate=args.lr, seed=args.seed, lora=lora,
-        checkpoint_every=10**6,
-    )
+    return TrainConfig(model=model, output_dir=str(output_dir), data=str(data), seq_len=args.seq_len,
+                       epsilon=epsilon or 1.0, private=epsilon is not None, epochs=args.epochs,
+                       batch_size=args.batch_size, max_physical_batch=args.max_physical_batch,
+                       learning_rate=args.lr, seed=args.seed, lora=lora, checkpoint_every=10**6)
 
 
 def run_label(args) -> str:
@@ -96,12 +64,6 @@ def run_label(args) -> str:
     mode = "full" if args.full else f"lora{args.lora_r}" + ("" if args.lora_targets == LLAMA_PROJECTIONS else
                                                            "-" + "".join(t[0] for t in args.lora_targets))
     return f"{mode}-seq{args.seq_len}-e{args.epochs:g}"
-
-
-def load(directory: Path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
 
 
 def summarize(results: dict) -> None:
@@ -122,49 +84,41 @@ def summarize(results: dict) -> None:
 
 
 def render_markdown(results: dict) -> str:
-    meta, s = results["meta"], results["settings"]
+    """The report: a row per run, then every canary of every run."""
+    meta, s, fmt = results["meta"], results["settings"], report.fmt
     reps = sorted({c["repetitions"] for c in results["runs"][0]["canaries"]})
     head = ["run", "epsilon", "val perplexity", "gain kept", *[f"exposure x{k} (bits)" for k in reps],
             "max over base (bits)", "all at chance (1%)"]
-    rows = []
-    for run in results["runs"]:
-        by_rep = [", ".join(fmt(c["exposure"], 2) for c in run["canaries"] if c["repetitions"] == k) for k in reps]
-        rows.append([run["name"], fmt(run.get("epsilon")) if run.get("epsilon") is not None else "-",
-                     fmt(run["perplexity"], 3), "-" if run["gain_kept"] is None else f"{100 * run['gain_kept']:.0f}%",
-                     *by_rep, f"{run['max_over_base']:+.2f}", "yes" if run["at_chance"] else "**no**"])
-    lines = [
-        f"# Canary exposure of DP fine-tuning: {meta['model']} ({meta['device']}, {meta['date']})",
-        "",
-        f"`{meta['command']}`",
-        "",
+    rows = [[run["name"], fmt(run.get("epsilon")) if run.get("epsilon") is not None else "-",
+             run["perplexity"], "-" if run["gain_kept"] is None else f"{100 * run['gain_kept']:.0f}%",
+             *[", ".join(fmt(c["exposure"], 2) for c in run["canaries"] if c["repetitions"] == k) for k in reps],
+             f"{run['max_over_base']:+.2f}", "yes" if run["at_chance"] else "**no**"] for run in results["runs"]]
+    canaries = [[run["name"], c["prefix"], c["repetitions"], c["rank"], f"{c['exposure']:.2f}"]
+                for run in results["runs"] for c in run["canaries"]]
+    return "\n".join([
+        f"# Canary exposure of DP fine-tuning: {meta['model']} ({meta['device']}, {meta['date']})", "",
+        f"`{meta['command']}`", "",
         (f"{s['mode']}, {s['records']} training records of <= {s['seq_len']} tokens (Python's bundled docs + "
-        f"canaries), {s['val_records']} held-out validation windows, batch {s['batch_size']} (Poisson, q = "
-        f"{s['sample_rate']:.4f}), {s['steps']} steps, Adam lr {s['lr']}, delta = {s['delta']:.2e} per record. "
-        f"Canaries: {s['canaries']} of {s['digits']} digits ({10 ** s['digits']} candidates; exposure <= "
-        f"{s['digits'] * math.log2(10):.1f} bits; chance: mean {math.log2(math.e):.2f} bits, P(>= x) = 2^-x), "
-        f"each repetition its own record. Wall {meta['wall_s'] / 60:.0f} min, load {meta['loadavg_start']} -> "
-        f"{meta['loadavg_end']}."),
-        "",
-        table(head, rows),
-        "",
+         f"canaries), {s['val_records']} held-out validation windows, batch {s['batch_size']} (Poisson, q = "
+         f"{s['sample_rate']:.4f}), {s['steps']} steps, Adam lr {s['lr']}, delta = {s['delta']:.2e} per record. "
+         f"Canaries: {s['canaries']} of {s['digits']} digits ({10 ** s['digits']} candidates; exposure <= "
+         f"{s['digits'] * math.log2(10):.1f} bits; chance: mean {math.log2(math.e):.2f} bits, P(>= x) = 2^-x), "
+         f"each repetition its own record. Wall {meta['wall_s'] / 60:.0f} min, load {meta['loadavg_start']} -> "
+         f"{meta['loadavg_end']}."), "",
+        report.table(head, rows), "",
         ("Exposure columns list each canary of that repetition count. \"gain kept\": the run's reduction of "
-        "validation log-perplexity from the base model, as a fraction of the non-private run's. \"at chance\": "
-        f"every canary's rank / {10 ** s['digits']} >= 0.01 / {len(results['runs'][0]['canaries'])} (what a "
-        "model that learnt nothing about the secrets passes with probability >= 99%); \"max over base\": the "
-         "largest increase of a canary's exposure over the base model's. DP protects one record: "
-        "a canary repeated k times is covered by group privacy at k x epsilon."),
-        "",
-        "| run | canary | repetitions | rank | exposure (bits) |",
-        "|---|---|---|---|---|",
-    ]
-    for run in results["runs"]:
-        for c in run["canaries"]:
-            lines.append(f"| {run['name']} | {c['prefix']} | {c['repetitions']} | {c['rank']} | {c['exposure']:.2f} |")
-    return "\n".join(lines) + "\n"
+         "validation log-perplexity from the base model, as a fraction of the non-private run's. \"at chance\": "
+         f"every canary's rank / {10 ** s['digits']} >= 0.01 / {len(results['runs'][0]['canaries'])} (what a model "
+         "that learnt nothing about the secrets passes with probability >= 99%); \"max over base\": the largest "
+         "increase of a canary's exposure over the base model's. DP protects one record: a canary repeated k times "
+         "is covered by group privacy at k x epsilon."), "",
+        report.table(["run", "canary", "repetitions", "rank", "exposure (bits)"], canaries),
+    ]) + "\n"
 
 
 def plot(results: dict, path: Path) -> None:
-    plt = pyplot()
+    """Each run's largest exposure per repetition count, and its validation perplexity."""
+    plt = report.pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     runs = results["runs"]
     names = [r["name"] for r in runs]
@@ -175,53 +129,43 @@ def plot(results: dict, path: Path) -> None:
         left.bar([i + j * width for i in range(len(runs))], ys, width, label=f"inserted {k}x (max)")
     left.axhline(math.log2(math.e), color="k", ls="--", lw=1, label="chance (mean)")
     left.set_xticks([i + 0.4 - width / 2 for i in range(len(runs))], names, rotation=20)
-    left.set_ylabel("exposure (bits)")
-    left.set_title("canary exposure")
+    left.set(ylabel="exposure (bits)", title="canary exposure")
     left.legend(fontsize=8)
     right.bar(names, [r["perplexity"] for r in runs], color="tab:gray")
-    right.set_ylabel("validation perplexity")
-    right.set_title("held-out Python docs")
+    right.set(ylabel="validation perplexity", title="held-out Python docs")
     right.tick_params(axis="x", rotation=20)
     fig.suptitle(f"{results['meta']['model']}: {results['settings']['mode']}")
     fig.tight_layout()
-    save_figure(fig, path)
-
-
-def write(results: dict, stem: Path) -> None:
-    summarize(results)
-    write_json(suffixed(stem, ".json"), results)
-    write_text(suffixed(stem, ".md"), render_markdown(results))
-    plot(results, suffixed(stem, ".png"))
+    report.save_figure(fig, path)
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    p = parser
-    p.add_argument("--model", default="smollm2", help="smollm2 or a Hugging Face Llama directory (default smollm2)")
-    p.add_argument("--epsilons", type=floats, default=(1.0, 4.0, 8.0), help="DP runs' epsilon (default 1,4,8)")
-    p.add_argument("--repetitions", type=ints, default=(1, 4, 16), help="canary insertion counts (default 1,4,16)")
-    p.add_argument("--per-level", type=int, default=2, help="canaries per insertion count (default 2)")
-    p.add_argument("--digits", type=int, default=4, help="digits of a secret (default 4: 10,000 candidates)")
-    p.add_argument("--full", action="store_true", help="full fine-tuning (Phantom Clipping) instead of LoRA")
-    p.add_argument("--lora-r", type=int, default=8, help="LoRA rank (alpha = 2r; default 8)")
-    p.add_argument("--lora-targets", type=names, default=LLAMA_PROJECTIONS,
-                   help="LoRA target modules (default: all 7 Llama projections)")
-    p.add_argument("--seq-len", type=int, default=64, help="tokens per record (default 64)")
-    p.add_argument("--epochs", type=float, default=1.0, help="epochs (default 1)")
-    p.add_argument("--batch-size", type=int, default=64, help="expected batch (default 64)")
-    p.add_argument("--max-physical-batch", type=int, default=16, help="records per forward (default 16)")
-    p.add_argument("--lr", type=float, default=2e-3, help="Adam learning rate (default 2e-3)")
-    p.add_argument("--val-records", type=int, default=128, help="held-out validation windows (default 128)")
-    p.add_argument("--max-docs", type=int, default=0, help="use only this many documents (0: all; tests)")
-    p.add_argument("--seed", type=int, default=0, help="split, canaries, sampling and noise seed (default 0)")
-    p.add_argument("--work", type=Path, default=None, help="training output directories (default: a temp dir)")
-    add_out_arg(p)
-    add_date_arg(p)
-    p.add_argument("--quiet", action="store_true", help="no progress")
-    return p
+    p = parser.add_argument
+    p("--model", default="smollm2", help="smollm2 or a Hugging Face Llama directory (default smollm2)")
+    p("--epsilons", type=cli.floats, default=(1.0, 4.0, 8.0), help="DP runs' epsilon (default 1,4,8)")
+    p("--repetitions", type=cli.ints, default=(1, 4, 16), help="canary insertion counts (default 1,4,16)")
+    p("--per-level", type=int, default=2, help="canaries per insertion count (default 2)")
+    p("--digits", type=int, default=4, help="digits of a secret (default 4: 10,000 candidates)")
+    p("--full", action="store_true", help="full fine-tuning (Phantom Clipping) instead of LoRA")
+    p("--lora-r", type=int, default=8, help="LoRA rank (alpha = 2r; default 8)")
+    p("--lora-targets", type=cli.names, default=LLAMA_PROJECTIONS,
+      help="LoRA target modules (default: all 7 Llama projections)")
+    p("--seq-len", type=int, default=64, help="tokens per record (default 64)")
+    p("--epochs", type=float, default=1.0, help="epochs (default 1)")
+    p("--batch-size", type=int, default=64, help="expected batch (default 64)")
+    p("--max-physical-batch", type=int, default=16, help="records per forward (default 16)")
+    p("--lr", type=float, default=2e-3, help="Adam learning rate (default 2e-3)")
+    p("--val-records", type=int, default=128, help="held-out validation windows (default 128)")
+    p("--max-docs", type=int, default=0, help="use only this many documents (0: all; tests)")
+    p("--seed", type=int, default=0, help="split, canaries, sampling and noise seed (default 0)")
+    p("--work", type=Path, default=None, help="training output directories (default: a temp dir)")
+    cli.add_date_arg(cli.add_out_arg(parser))
+    p("--quiet", action="store_true", help="no progress")
+    return parser
 
 
-def build_parser(prog: str = "vllm-dp bench canary") -> argparse.ArgumentParser:
-    return add_cli_args(argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0]))
+def build_parser() -> argparse.ArgumentParser:
+    return add_cli_args(argparse.ArgumentParser(prog="vllm-dp bench canary", description=__doc__.split("\n\n")[0]))
 
 
 def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
@@ -231,9 +175,8 @@ def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
     from vllm_dp_plugin.demo import public_corpus
     from vllm_dp_plugin.trainer.train import plan_run
 
-    args, argv = parse(args, build_parser)
-    args.date = today(args.date)
-    log = logger(not args.quiet)
+    args, argv = cli.parse(args, build_parser)
+    args.date, log = cli.today(args.date), logger(not args.quiet)
     try:
         model_name, path = resolve_model(args.model)
     except ValueError as err:
@@ -243,49 +186,44 @@ def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
     train_docs, val_docs = split_documents(docs, tokenizer, args.seq_len, args.val_records, args.seed)
     val = make_records(val_docs, tokenizer, args.seq_len)
     val = type(val)(*(t[: args.val_records] for t in (val.ids, val.labels, val.mask)))
-    canaries = make_canaries(args.repetitions, args.per_level, args.digits, args.seed)
-    start, load_start = time.perf_counter(), loadavg()
+    canaries = secret_sharer.make_canaries(args.repetitions, args.per_level, args.digits, args.seed)
+    start, load_start, label = time.perf_counter(), loadavg(), device_label(torch.device("cpu"))
+    stem = Path(args.out) / f"canary-{model_name}-{run_label(args)}-{label}-{args.date}"
     with tempfile.TemporaryDirectory(prefix="vllm-dp-canary-") as tmp:
         work = args.work or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         data = work / "train.txt"
-        data.write_text("\n\n".join(d.replace("\n\n", "\n") for d in insert_canaries(train_docs, canaries, args.seed)))
+        documents = secret_sharer.insert_canaries(train_docs, canaries, args.seed)
+        data.write_text("\n\n".join(d.replace("\n\n", "\n") for d in documents))
         records = len(make_records(data.read_text().split("\n\n"), tokenizer, args.seq_len))
-        plan = plan_run(run_config(args, path, data, work, "plan", 1.0), records)
-        label = device_label(torch.device("cpu"))
-        stem = Path(args.out) / f"canary-{model_name}-{run_label(args)}-{label}-{args.date}"
-        results = {
-            "settings": {"mode": "full fine-tuning" if args.full else
-                         f"LoRA r={args.lora_r} on {', '.join(args.lora_targets)}", "records": records,
-                         "seq_len": args.seq_len, "val_records": len(val), "batch_size": args.batch_size,
-                         "sample_rate": plan.sample_rate, "steps": plan.steps, "lr": args.lr, "delta": plan.delta,
-                         "epochs": args.epochs, "digits": args.digits, "canaries": len(canaries),
-                         "repetitions": list(args.repetitions)},
-            "runs": [],
-        }
+        plan = plan_run(run_config(args, path, data, work / "plan", 1.0), records)
+        mode = "full fine-tuning" if args.full else f"LoRA r={args.lora_r} on {', '.join(args.lora_targets)}"
+        results = {"settings": {"mode": mode, "records": records, "seq_len": args.seq_len, "val_records": len(val),
+                                "batch_size": args.batch_size, "sample_rate": plan.sample_rate, "steps": plan.steps,
+                                "lr": args.lr, "delta": plan.delta, "epochs": args.epochs, "digits": args.digits,
+                                "canaries": len(canaries), "repetitions": list(args.repetitions)}, "runs": []}
 
         def finish(run: dict) -> None:
+            """Add ``run`` and rewrite the result files."""
             results["runs"].append(run)
             log(f"{run['name']}: perplexity {run['perplexity']:.3f}, exposures "
                 f"{[round(c['exposure'], 2) for c in run['canaries']]}")
             results["meta"] = {"model": model_name, "device": label, "date": args.date,
-                               "command": command_line("vllm-dp bench canary", argv),
+                               "command": cli.command_line("vllm-dp bench canary", argv),
                                "env": environment(torch.device("cpu")), "wall_s": time.perf_counter() - start,
                                "loadavg_start": load_start, "loadavg_end": loadavg()}
-            write(results, stem)
+            summarize(results)
+            report.write_json(report.suffixed(stem, ".json"), results)
+            report.write_text(report.suffixed(stem, ".md"), render_markdown(results))
+            plot(results, report.suffixed(stem, ".png"))
 
-        finish({"name": "base", **evaluate(load(path), tokenizer, val, canaries)})
+        finish({"name": "base", **evaluate(path, tokenizer, val, canaries)})
         for epsilon in (None, *args.epsilons):
             name = "non-private" if epsilon is None else f"dp eps={epsilon:g}"
             log(f"training {name} ...")
-            t0 = time.perf_counter()
-            report = train(run_config(args, path, data, work, name.replace(" ", "_"), epsilon), progress=not args.quiet)
-            run = {"name": name, "epsilon": report["epsilon"], "noise_multiplier": report.get("noise_multiplier"),
-                   "train_s": time.perf_counter() - t0}
-            finish({**run, **evaluate(load(work / name.replace(" ", "_") / "model"), tokenizer, val, canaries)})
+            t0, out = time.perf_counter(), work / name.replace(" ", "_")
+            trained = train(run_config(args, path, data, out, epsilon), progress=not args.quiet)
+            finish({"name": name, "epsilon": trained["epsilon"], "noise_multiplier": trained.get("noise_multiplier"),
+                    "train_s": time.perf_counter() - t0, **evaluate(out / "model", tokenizer, val, canaries)})
     log(f"wrote {stem}.md, .json and .png")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

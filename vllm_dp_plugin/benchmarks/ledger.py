@@ -1,52 +1,36 @@
-"""Budget ledger speed: one query's reserve + settle on a ledger already holding N entries, in
-SQLite (the embedded default), PostgreSQL (a temporary local server, unix socket, fsync on) and
-the JSONL + flock ledger they replaced (loaded from the git revision ``--jsonl-rev``).
+"""Budget ledger speed: one query's reserve + settle on a ledger already holding N entries, in SQLite (the
+embedded default) and PostgreSQL (a temporary local server, unix socket, fsync on); the repository's
+``python -m benchmarks.ledger_jsonl`` adds the JSONL + flock ledger they replaced (``OPENERS``).
 
-An entry is one event of the JSONL ledger: a query's reservation or its settlement, so N entries
-are N/2 settled queries on one context (what ``--entries`` fills before timing). Per backend and
-N: ``open_s``, a new ledger object's first call (a server's start-up: the JSONL ledger parses
-the whole file there), then ``--pairs`` reserve + settle pairs timed one by one (median and
-p99, ms). Target: SQLite reserve + settle <= 1 ms at 1M entries. A reservation waits for the
-disk (SQLite ``synchronous=FULL``; PostgreSQL's WAL flush; the JSONL ledger fsyncs both lines); a
-settlement, which only gives budget back, does not (``ledger_store``: ``durable=False``), so the
-figures are this disk's fsync plus the work: the result file states the load average and a raw
-fsync's median. ``sqlite-normal`` (``synchronous=NORMAL`` for the reservation too: not what
-serving uses) isolates the ledger's own work.
+An entry is one event: a query's reservation or its settlement, so N entries are N/2
+settled queries on one context (what ``--entries`` fills before timing). Per backend and N: ``open_s``,
+a new ledger object's first call (a server's start-up: the JSONL ledger parses the whole file there),
+then ``--pairs`` reserve + settle pairs timed one by one (median and p99, ms). Target: SQLite reserve +
+settle <= 1 ms at 1M entries. A reservation waits for the disk (SQLite ``synchronous=FULL``;
+PostgreSQL's WAL flush; the JSONL ledger fsyncs both lines); a settlement, which only gives budget back,
+does not (``ledger_store``: ``durable=False``), so the figures are this disk's fsync plus the work: the
+result file states the load average and a raw fsync's median. ``sqlite-normal`` (``synchronous=NORMAL``
+for the reservation too: not what serving uses) isolates the ledger's own work.
 
-``--replicas N --model M``: also N ``vllm-dp serve`` processes (DP aggregation over one
-collection) on one PostgreSQL ledger, queried at once from ``--clients`` threads until the
-collection's total is spent: granted queries, what each server's ``/v1/dp/budget`` says was
-spent, and the sum of the receipts delivered; none may exceed the total.
-
-Writes ``ledger-<device>-<date>.md`` and ``.json`` into ``--out``. ``--quick``: 2,000 entries.
+``--replicas N --model M``: also N ``vllm-dp serve`` processes on one PostgreSQL ledger, queried at
+once until the collection's total is spent: none may grant more. Writes ``ledger-<device>-<date>.{md,json}``.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from vllm_dp_plugin.benchmarks.lib.cli import (
-    add_date_arg,
-    add_out_arg,
-    add_quick_arg,
-    command_line,
-    ints,
-    names,
-    parse,
-    today,
-)
+from vllm_dp_plugin.benchmarks.lib import cli
 from vllm_dp_plugin.benchmarks.lib.environment import device_label, environment, loadavg
 from vllm_dp_plugin.benchmarks.lib.postgres import temporary_postgres, unavailable_reason
 from vllm_dp_plugin.benchmarks.lib.progress import logger
@@ -56,8 +40,9 @@ from vllm_dp_plugin.privacy.keyed_noise import NoiseKey
 from vllm_dp_plugin.privacy.ledger_store import LedgerStore, SQLiteStore, open_store
 from vllm_dp_plugin.privacy.query_ledger import QueryLedger
 
-BACKENDS = ("sqlite", "sqlite-normal", "postgresql", "jsonl")
-JSONL_REV = "d316805"  # the last revision whose QueryLedger is the JSONL + flock file
+BACKENDS = ("sqlite", "sqlite-normal", "postgresql")
+# more backends, registered by name: (key, work directory, entries) -> a filled ledger's opener
+OPENERS: dict[str, Callable[[NoiseKey, Path, int], Callable[[], QueryLedger]]] = {}
 CONTEXT = "bench"
 AMOUNT, SETTLED = Budget(0.01, 1e-9), Budget(0.005, 0.0)
 TOTAL = Budget(1e12, 0.5)  # never the limit: the cost of a grant is timed, not a refusal
@@ -81,28 +66,15 @@ def fill_store(store: LedgerStore, key: NoiseKey, queries: int) -> None:
         tx.execute("INSERT INTO ledger_keys VALUES ('query', ?, ?)", (key_label, queries))
 
 
-def fill_jsonl(path: Path, key: NoiseKey, queries: int) -> None:
-    """The same history as the JSONL ledger wrote it: a reserve and a settle line per query."""
-    common = {"key": key.label("query-ledger/key"), "context": key.label("query-ledger/context", CONTEXT),
-              "total_epsilon": TOTAL.epsilon, "total_delta": TOTAL.delta, "client": ""}
-    with open(path, "w") as out:
-        for i in range(queries):
-            out.writelines(json.dumps({**common, "kind": kind, "id": f"{i:032x}", "epsilon": amount.epsilon,
-                                      "delta": amount.delta, "time": when}, sort_keys=True,
-                                     separators=(",", ":")) + "\n" for kind, amount, when in (("reserve", AMOUNT, 1.0), ("settle", SETTLED, 2.0)))
-
-
-def jsonl_ledger_class(rev: str):
-    """``QueryLedger`` as of git revision ``rev`` (the JSONL + flock file), imported from ``git show``."""
-    source = subprocess.run(["git", "show", f"{rev}:vllm_dp_plugin/privacy/query_ledger.py"], check=True,
-                            capture_output=True, text=True).stdout
-    path = Path(tempfile.mkdtemp(prefix="vllm-dp-jsonl-")) / "jsonl_query_ledger.py"
-    path.write_text(source.replace("from .", "from vllm_dp_plugin.privacy."))
-    spec = importlib.util.spec_from_file_location("jsonl_query_ledger", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module.QueryLedger
+def timed_ms(call, repeats: int, before=lambda: None) -> list[float]:
+    """Milliseconds of each of ``repeats`` calls of ``call`` (``before()`` runs untimed first), sorted."""
+    times = []
+    for _ in range(repeats):
+        before()
+        start = time.perf_counter()
+        call()
+        times.append((time.perf_counter() - start) * 1e3)
+    return sorted(times)
 
 
 def time_pairs(make_ledger, pairs: int) -> dict:
@@ -111,26 +83,18 @@ def time_pairs(make_ledger, pairs: int) -> dict:
     ledger = make_ledger()
     before = ledger.status(CONTEXT, TOTAL)
     opened = time.perf_counter() - start
-    times = []
-    for _ in range(pairs):
-        start = time.perf_counter()
-        ledger.settle(ledger.reserve(CONTEXT, TOTAL, AMOUNT), SETTLED)
-        times.append((time.perf_counter() - start) * 1e3)
-    after = ledger.status(CONTEXT, TOTAL)
-    assert after.queries == before.queries + pairs, "the ledger lost a query"
-    times.sort()
-    return {"open_s": opened, "pair_ms_median": statistics.median(times),
-            "pair_ms_p99": times[min(len(times) - 1, math.ceil(0.99 * len(times)) - 1)],
+    times = timed_ms(lambda: ledger.settle(ledger.reserve(CONTEXT, TOTAL, AMOUNT), SETTLED), pairs)
+    assert ledger.status(CONTEXT, TOTAL).queries == before.queries + pairs, "the ledger lost a query"
+    p99 = times[min(len(times) - 1, math.ceil(0.99 * len(times)) - 1)]
+    return {"open_s": opened, "pair_ms_median": statistics.median(times), "pair_ms_p99": p99,
             "queries_before": before.queries}
 
 
-def measure(backend: str, entries: int, pairs: int, work: Path, postgres_url: str | None, jsonl_cls) -> dict:
-    key = NoiseKey(work / "noise.key")
-    queries = entries // 2
-    if backend == "jsonl":
-        path = work / f"queries-{entries}.jsonl"
-        fill_jsonl(path, key, queries)
-        return time_pairs(lambda: jsonl_cls(key, path), pairs)
+def measure(backend: str, entries: int, pairs: int, work: Path, postgres_url: str | None) -> dict:
+    """``backend`` filled with ``entries`` entries, then ``time_pairs``."""
+    key, queries = NoiseKey(work / "noise.key"), entries // 2
+    if backend in OPENERS:
+        return time_pairs(OPENERS[backend](key, work, entries), pairs)
     if backend.startswith("sqlite"):
         location = str(work / f"ledger-{entries}-{backend}.sqlite")
     else:
@@ -151,17 +115,11 @@ def fsync_ms(directory: Path, repeats: int = 50) -> float:
     """The median time of one fsync of a small append in ``directory`` (the disk's floor)."""
     path = directory / "fsync-probe"
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    times = []
     try:
-        for _ in range(repeats):
-            os.write(fd, b"x" * 128)
-            start = time.perf_counter()
-            os.fsync(fd)
-            times.append((time.perf_counter() - start) * 1e3)
+        return statistics.median(timed_ms(lambda: os.fsync(fd), repeats, lambda: os.write(fd, b"x" * 128)))
     finally:
         os.close(fd)
         path.unlink()
-    return statistics.median(times)
 
 
 REPLICA_DOCS = ("The Harlow depot opens at 6 am.", "Harlow's depot opens at six in the morning.",
@@ -169,29 +127,26 @@ REPLICA_DOCS = ("The Harlow depot opens at 6 am.", "Harlow's depot opens at six 
 
 
 def replicas(model: str, count: int, clients: int, queries: int, work: Path, url: str, log) -> dict:
-    """``count`` servers on one PostgreSQL ledger; ``queries`` queries at once from ``clients``
-    threads, round-robin over the servers, each asking eps 1 of a collection whose total pays for
-    ``queries // 2``: how many were granted and what the ledger says was spent."""
+    """``count`` servers on one PostgreSQL ledger, ``queries`` queries of eps 1 at once (``clients`` threads,
+    round-robin) on a collection whose total pays for half: how many were granted, what was spent."""
     import concurrent.futures
     import urllib.error
     import urllib.request
 
     from vllm_dp_plugin.benchmarks.lib.vllm import ENGINE_FLAGS, RunningServer, with_env
 
-    docs = work / "replica-docs.jsonl"
+    docs, config, total = work / "replica-docs.jsonl", work / "replicas.json", queries // 2
     docs.write_text("".join(json.dumps({"id": f"d{i}", "text": t}) + "\n" for i, t in enumerate(REPLICA_DOCS)))
-    total = queries // 2
-    section = {"key_file": str(work / "noise.key"), "ledger": url,
-               "aggregate": {"contexts": {"harlow": str(docs)}, "members": 2, "epsilon": 1.0, "min_epsilon": 1.0,
-                             "total_epsilon": float(total), "max_tokens": 2}}
-    config = work / "replicas.json"
-    config.write_text(json.dumps({"dp_privacy": section}))
+    config.write_text(json.dumps({"dp_privacy": {
+        "key_file": str(work / "noise.key"), "ledger": url,
+        "aggregate": {"contexts": {"harlow": str(docs)}, "members": 2, "epsilon": 1.0, "min_epsilon": 1.0,
+                      "total_epsilon": float(total), "max_tokens": 2}}}))
     cmd = [str(Path(sys.executable).with_name("vllm-dp")), "serve", model, "--dp-config", str(config),
            *ENGINE_FLAGS, "--max-model-len", "1024", "--kv-cache-memory-bytes", str(256 << 20)]
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "When does the depot open?"}],
+                       "max_tokens": 2}).encode()
 
     def ask(base: str) -> tuple[int, dict | None]:
-        body = json.dumps({"model": model, "messages": [{"role": "user", "content": "When does the depot open?"}],
-                           "max_tokens": 2}).encode()
         request = urllib.request.Request(base + "/v1/chat/completions", body, {"Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(request, timeout=600) as response:
@@ -217,13 +172,11 @@ def replicas(model: str, count: int, clients: int, queries: int, work: Path, url
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    add_out_arg(parser)
-    add_quick_arg(parser, "2,000 entries, 50 pairs (seconds)")
-    add_date_arg(parser)
-    parser.add_argument("--entries", type=ints, help="ledger sizes before timing (default 1000,100000,1000000)")
+    cli.add_date_arg(cli.add_quick_arg(cli.add_out_arg(parser), "2,000 entries, 50 pairs (seconds)"))
+    parser.add_argument("--entries", type=cli.ints, help="ledger sizes before timing (default 1000,100000,1000000)")
     parser.add_argument("--pairs", type=int, default=200, help="reserve + settle pairs timed per size (default 200)")
-    parser.add_argument("--backends", type=names, default=BACKENDS, help=f"of {','.join(BACKENDS)} (default all)")
-    parser.add_argument("--jsonl-rev", default=JSONL_REV, help=f"git revision of the JSONL ledger (default {JSONL_REV})")
+    backends = (*BACKENDS, *OPENERS)
+    parser.add_argument("--backends", type=cli.names, default=backends, help=f"of {','.join(backends)} (default all)")
     parser.add_argument("--work", type=Path, help="where the ledgers are written (default a temporary directory)")
     parser.add_argument("--replicas", type=int, default=0, help="vllm-dp serve processes on one PostgreSQL ledger "
                         "(default 0: not run; needs --model)")
@@ -233,58 +186,59 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def build_parser() -> argparse.ArgumentParser:
-    return add_cli_args(argparse.ArgumentParser(prog="vllm-dp bench ledger", description=__doc__.split("\n\n")[0]))
+def build_parser(prog: str = "vllm-dp bench ledger") -> argparse.ArgumentParser:
+    """The suite's parser; ``command``: the command its result files state."""
+    parser = add_cli_args(argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0]))
+    parser.set_defaults(command=prog)
+    return parser
 
 
-def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
-    args, argv = parse(args, build_parser)
+def main(args: argparse.Namespace | Sequence[str] | None = None, build=build_parser) -> int:
+    """Time every backend at every size (and the replicas, if asked), then write the result files."""
+    args, argv = cli.parse(args, build)
     entries = args.entries or ((2000,) if args.quick else (1000, 100_000, 1_000_000))
     pairs = 50 if args.quick else args.pairs
-    unknown = set(args.backends) - set(BACKENDS)
+    unknown = set(args.backends) - {*BACKENDS, *OPENERS}
     if unknown:
-        raise SystemExit(f"--backends: unknown {sorted(unknown)}; use {','.join(BACKENDS)}")
-    skipped = {}
+        raise SystemExit(f"--backends: unknown {sorted(unknown)}; use {','.join((*BACKENDS, *OPENERS))}")
     reason = unavailable_reason() if "postgresql" in args.backends else None
-    if reason:
-        skipped["postgresql"] = reason
-    jsonl_cls = jsonl_ledger_class(args.jsonl_rev) if "jsonl" in args.backends else None
+    skipped = {"postgresql": reason} if reason else {}
     if args.replicas and not args.model:
         raise SystemExit("--replicas needs --model")
     rows, log, shared = [], logger(True, sys.stderr), None
     with contextlib.ExitStack() as stack:
         wants_pg = not reason and ("postgresql" in args.backends or args.replicas)
         url = stack.enter_context(temporary_postgres()) if wants_pg else None
-        work = args.work or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="vllm-dp-ledger-",
+        work = Path(args.work or stack.enter_context(tempfile.TemporaryDirectory(prefix="vllm-dp-ledger-",
                                                                                  dir=os.getcwd())))
         for n in entries:
-            for backend in args.backends:
-                if backend in skipped:
-                    continue
+            for backend in [b for b in args.backends if b not in skipped]:
                 log(f"ledger bench: {backend} at {n} entries")
-                rows.append({"backend": backend, "entries": n, **measure(backend, n, pairs, Path(work), url, jsonl_cls),
-                             "fsync_ms": fsync_ms(Path(work)), "loadavg": loadavg()})
+                rows.append({"backend": backend, "entries": n, **measure(backend, n, pairs, work, url),
+                             "fsync_ms": fsync_ms(work), "loadavg": loadavg()})
         if args.replicas:
             if url is None:
                 raise SystemExit(f"--replicas needs PostgreSQL: {reason}")
-            shared = replicas(args.model, args.replicas, args.clients, args.queries, Path(work),
+            shared = replicas(args.model, args.replicas, args.clients, args.queries, work,
                               f"{url}&options=-csearch_path%3Dpublic", log)
     write(args, argv, rows, skipped, shared)
     return 0
 
 
 def write(args, argv, rows: list[dict], skipped: dict, shared: dict | None) -> None:
-    stem = args.out / f"ledger-{device_label('cpu', short=True)}-{today(args.date)}"
+    """``ledger-<device>-<date>.{md,json}`` in ``args.out``; the markdown is printed too."""
+    stem = args.out / f"ledger-{device_label('cpu', short=True)}-{cli.today(args.date)}"
     head = ["backend", "entries", "open (s)", "reserve+settle median (ms)", "p99 (ms)", "raw fsync (ms)", "load avg"]
-    body = [[r["backend"], r["entries"], fmt(r["open_s"]), fmt(r["pair_ms_median"]), fmt(r["pair_ms_p99"]),
-             fmt(r["fsync_ms"]), fmt(r["loadavg"][0] if r["loadavg"] else None)] for r in rows]
+    body = [[r["backend"], r["entries"], r["open_s"], r["pair_ms_median"], r["pair_ms_p99"], r["fsync_ms"],
+             r["loadavg"][0] if r["loadavg"] else None] for r in rows]  # table() formats the numbers
     biggest = max((r for r in rows if r["backend"] == "sqlite"), key=lambda r: r["entries"], default=None)
     verdict = ("n/a (no sqlite row)" if biggest is None else
                f"{'PASS' if biggest['pair_ms_median'] <= TARGET_MS else 'FAIL'}: SQLite reserve+settle median "
                f"{fmt(biggest['pair_ms_median'])} ms at {biggest['entries']} entries (target <= {TARGET_MS:g} ms)")
+    env = environment("cpu", ())
     text = "\n".join([
         "# Budget ledger: reserve + settle at N entries", "",
-        f"Command: `{command_line('vllm-dp bench ledger', argv)}`", "",
+        f"Command: `{cli.command_line(args.command, argv)}`", "",
         __doc__.split("\n\n")[1].replace("\n", " "), "",
         table(head, body), "",
         f"Target: {verdict}.",
@@ -292,17 +246,13 @@ def write(args, argv, rows: list[dict], skipped: dict, shared: dict | None) -> N
         *([] if shared is None else [
             f"## {shared['replicas']} `vllm-dp serve` processes on one PostgreSQL ledger", "",
             (f"{shared['queries']} queries (eps 1 each) at once against a collection whose total is "
-            f"{shared['total_epsilon']:g}: {shared['granted']} granted, {shared['refused_429']} refused with 429"
-            f"{', other statuses ' + str(shared['other_status']) if shared['other_status'] else ''}; "
-            f"spent per server's /v1/dp/budget {shared['spent_per_server']}, receipts delivered sum to "
+             f"{shared['total_epsilon']:g}: {shared['granted']} granted, {shared['refused_429']} refused with "
+             f"429{', other statuses ' + str(shared['other_status']) if shared['other_status'] else ''}; spent per "
+             f"server's /v1/dp/budget {shared['spent_per_server']}, receipts delivered sum to "
              f"{shared['receipts_sum']:g}: {'within' if shared['within_total'] else 'OVER'} the total."), ""]),
-        "Environment: " + json.dumps(environment("cpu", ())), "",
+        "Environment: " + json.dumps(env), "",
     ])
     write_text(suffixed(stem, ".md"), text)
     write_json(suffixed(stem, ".json"), {"rows": rows, "skipped": skipped, "target_ms": TARGET_MS, "replicas": shared,
-                                         "environment": environment("cpu", ())})
+                                         "environment": env})
     print(text)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,19 +1,16 @@
 """Steady-state engine throughput: one ``vllm.LLM`` engine generates the same batch ``rounds`` times.
 
-``vllm bench throughput`` times one ``generate`` call per engine start (~60 s of start-up for a
-few seconds of work), so on a VM with CPU steal a single slow period decides a row. This runs
-the same workload (a P-token prefix, plain or private, + S random suffix tokens, O output
-tokens with ``ignore_eos``) once to warm up (and release the private context), then ``rounds``
-times, and prints every round's wall and process CPU seconds as one ``RESULT {json}`` line.
-
-Run as ``python -m vllm_dp_plugin.benchmarks.steady JOB_JSON`` (CPU vLLM spawns workers:
-hence the ``__main__`` guard); ``vllm-dp bench serve`` (``benchmarks.serve``) drives it.
+``vllm bench throughput`` times one ``generate`` per engine start: on a VM with CPU steal one slow period
+decides a row. This warms up, runs the batch ``rounds`` times and prints every round's wall and process CPU
+seconds as one ``RESULT {json}`` line; ``vllm-dp bench serve`` runs it as ``python -m`` (a ``__main__``:
+CPU vLLM spawns workers).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import time
 from collections.abc import Sequence
@@ -22,13 +19,10 @@ from vllm_dp_plugin.benchmarks.lib.cli import parse
 
 
 def prompts(job: dict) -> list[dict]:
-    """``num_prompts`` token-id prompts: ``prefix_ids`` (empty for DP rows: the renderer adds
-    the private context) + ``suffix_len`` random ids from ``[10, vocab_size)``."""
-    rng = random.Random(job["seed"])
-    return [
-        {"prompt_token_ids": job["prefix_ids"] + [rng.randrange(10, job["vocab_size"]) for _ in range(job["suffix_len"])]}
-        for _ in range(job["num_prompts"])
-    ]
+    """``num_prompts`` prompts: ``prefix_ids`` (none for DP: the renderer adds it) + ``suffix_len`` random ids."""
+    rng, prefix = random.Random(job["seed"]), job["prefix_ids"]
+    return [{"prompt_token_ids": prefix + [rng.randrange(10, job["vocab_size"]) for _ in range(job["suffix_len"])]}
+            for _ in range(job["num_prompts"])]
 
 
 def timed_rounds(llm, batch: list[dict], output_len: int, rounds: int) -> list[dict]:
@@ -47,23 +41,20 @@ def timed_rounds(llm, batch: list[dict], output_len: int, rounds: int) -> list[d
 
 def run(job: dict) -> list[dict]:
     """Start the engine of ``job["llm"]`` in this process and time its rounds."""
-    import os
-
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process: CPU time counts
     from vllm import LLM
 
-    llm = LLM(**job["llm"])
-    return timed_rounds(llm, prompts(job), job["output_len"], job["rounds"])
+    return timed_rounds(LLM(**job["llm"]), prompts(job), job["output_len"], job["rounds"])
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("job", type=json.loads, metavar="JOB_JSON",
-                        help="llm (vllm.LLM keyword arguments), prefix_ids, suffix_len, output_len, "
-                             "num_prompts, rounds, seed, vocab_size")
+    parser.add_argument("job", type=json.loads, metavar="JOB_JSON", help="llm (vllm.LLM keyword arguments), "
+                        "prefix_ids, suffix_len, output_len, num_prompts, rounds, seed, vocab_size")
     return parser
 
 
-def build_parser(prog: str = "python -m vllm_dp_plugin.benchmarks.steady") -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
+    prog = "python -m vllm_dp_plugin.benchmarks.steady"
     return add_cli_args(argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0]))
 
 

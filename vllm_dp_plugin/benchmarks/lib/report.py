@@ -6,7 +6,6 @@ A suite's result files share one stem (``<suite>-<device label>-<date>``) and di
 
 from __future__ import annotations
 
-import csv
 import json
 import math
 import sys
@@ -106,22 +105,6 @@ def write_text(path: Path, text: str) -> Path:
     path.write_text(text)
     return path
 
-
-def write_csv(path: Path, rows: Sequence[dict]) -> Path | None:
-    """One row per dict; the columns are every scalar key in first-seen order (list and dict
-    values are left out). Nothing is written for no rows (None)."""
-    if not rows:
-        return None
-    keys: list[str] = []
-    for row in rows:
-        keys += [k for k in row if k not in keys and not isinstance(row[k], (list, dict))]
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=keys, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
-    return path
 
 
 def pyplot():

@@ -1,9 +1,7 @@
 """The private-context benchmarks' shared data: the chat model, the scenarios (``bench context``'s
 schema and bundled file), the token layout of a context and a question, answer scoring, and the
 model's cached public calibration. Used by ``bench context`` and ``benchmarks.attention_real``;
-``resolve_model`` also by ``benchmarks.train``, ``bench canary`` and ``benchmarks.aggregate_batch``, and
-``load_causal_lm`` (pretrained weights, or random ones for a directory holding only the
-architecture) by ``benchmarks.train`` and ``benchmarks.aggregate_batch``."""
+``resolve_model`` also by ``benchmarks.train``, ``bench canary`` and ``benchmarks.aggregate_batch``."""
 
 from __future__ import annotations
 
@@ -181,28 +179,6 @@ def resolve_model(text: str) -> tuple[str, str]:
         raise ValueError(f"--model {text!r}: not one of {sorted(MODEL_ALIASES)} nor a directory with a config.json")
     name = re.sub(r"[^a-z0-9._-]+", "-", Path(text).resolve().name.lower()).strip("-.") or "model"
     return name, text
-
-
-WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin")
-
-
-def has_weights(model: str | Path) -> bool:
-    """Whether the directory ``model`` holds weights (else only its architecture, ``config.json``)."""
-    return any(next(Path(model).glob(pattern), None) is not None for pattern in WEIGHT_FILES)
-
-
-def load_causal_lm(model: str | Path, *, dtype, seed: int = 0):
-    """``model``'s Hugging Face causal LM in ``dtype``: its pretrained weights, or, for a directory
-    holding only a ``config.json`` (an architecture carried where its weights cannot go), random
-    weights drawn under ``torch.manual_seed(seed)``: step and generation times do not depend on
-    the weights' values."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    if has_weights(model):
-        return AutoModelForCausalLM.from_pretrained(model, dtype=dtype)
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model), dtype=dtype)
 
 
 def cached_calibration(model: str, cache_dir: Path) -> Path:

@@ -1,8 +1,6 @@
-"""The load generator: concurrent OpenAI-shaped chat requests over httpx, half of them streamed,
-some given up by the client part-way (a stream closed after its first content chunk(s), a plain
-request's connection closed after a delay), each recorded as an ``Outcome``.
-
-A receipt (``dp_receipt``: the body's field, or the final chunk's of a stream) counts as
+"""The load generator: concurrent OpenAI-shaped chat requests over httpx, every other one streamed,
+some given up by the client part-way, each recorded as an ``Outcome``; the numbers of a run's
+outcomes. A receipt (``dp_receipt``: the body's field, or the final chunk's of a stream) counts as
 delivered only when the client read it; a request the client gave up on has none."""
 
 from __future__ import annotations
@@ -12,26 +10,23 @@ import itertools
 import json
 import random
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import httpx
+import numpy as np
 
 RECEIPT_FIELD = "dp_receipt"  # serving.aggregate's (not imported: that module needs vLLM's server stack)
-QUESTIONS = (
-    "Who leads the Northwind warehouse team?",
-    "What is the capital of France?",
-    "When does the Northwind office open?",
-    "What is 7 + 5?",
-    "Which river flows past the main office?",
-    "Name a colour of the sky.",
-)
+QUESTIONS = ("Who leads the Northwind warehouse team?", "What is the capital of France?",
+             "When does the Northwind office open?", "What is 7 + 5?", "Which river flows past the main office?",
+             "Name a colour of the sky.")
 
 
 @dataclass(frozen=True)
 class RequestSpec:
-    """One request of a run: ``stream`` or not, ``cancel`` (the client gives it up: a stream
-    after ``cancel_chunks`` content chunks, a plain request after ``disconnect_s`` seconds)."""
+    """One request: ``stream`` or not, ``cancel`` (the client gives it up: a stream after
+    ``cancel_chunks`` content chunks, a plain request after ``disconnect_s`` seconds)."""
 
     index: int
     stream: bool
@@ -42,11 +37,9 @@ class RequestSpec:
 
 @dataclass
 class Outcome:
-    """What the client saw of one request. ``status`` None: the client disconnected before a
-    status line arrived; ``cancelled``: it gave the request up (as planned); ``receipt``: the
-    delivered ``dp_receipt`` (None if not delivered); ``tokens``: completion tokens (``usage``,
-    else content chunks read); ``latency_s`` to the end (or the give-up), ``ttft_s`` to the first
-    content chunk of a stream; ``error``: a transport error's type."""
+    """What the client saw of one request: ``status`` (None: disconnected before one), ``cancelled``
+    (given up, as planned), the delivered ``receipt``, ``tokens`` (``usage``, else content chunks),
+    ``latency_s`` to the end or the give-up, ``ttft_s`` to a stream's first content chunk, ``error``."""
 
     index: int
     stream: bool
@@ -77,41 +70,26 @@ def _check_fraction(cancel_fraction: float) -> None:
 
 
 def plan(requests: int, cancel_fraction: float, seed: int = 0, disconnect_max_s: float = 1.0) -> list[RequestSpec]:
-    """``requests`` specs, deterministic in ``seed``: every other one streamed (half each),
-    ``round(cancel_fraction * requests)`` of them, spread at random over both kinds, given up by
-    the client (a plain one after a uniform delay in ``[0, disconnect_max_s]``)."""
+    """``requests`` specs, deterministic in ``seed``: every other one streamed, ``round(cancel_fraction
+    * requests)`` of both kinds given up (a plain one after a uniform delay up to ``disconnect_max_s``)."""
     _check_fraction(cancel_fraction)
     rng = random.Random(seed)
     cancelled = set(rng.sample(range(requests), round(cancel_fraction * requests)))
     return [_spec(i, i in cancelled, rng, disconnect_max_s) for i in range(requests)]
 
 
-def endless(cancel_fraction: float, seed: int = 0, disconnect_max_s: float = 1.0) -> Iterator[RequestSpec]:
+def endless(cancel_fraction: float, seed: int = 0) -> Iterator[RequestSpec]:
     """Specs without end (a soak): every other one streamed, each given up with probability
-    ``cancel_fraction``."""
+    ``cancel_fraction`` (a plain one after up to 1 s)."""
     _check_fraction(cancel_fraction)
     rng = random.Random(seed)
     for i in itertools.count():
-        yield _spec(i, rng.random() < cancel_fraction, rng, disconnect_max_s)
+        yield _spec(i, rng.random() < cancel_fraction, rng, 1.0)
 
 
-def body(spec: RequestSpec, model: str, max_tokens: int) -> dict:
-    payload = {"model": model, "messages": [{"role": "user", "content": spec.question}], "max_tokens": max_tokens,
-               "temperature": 0.0, "stream": spec.stream}
-    if spec.stream:
-        payload["stream_options"] = {"include_usage": True}
-    return payload
-
-
-def _content(chunk: dict) -> str:
-    choices = chunk.get("choices") or [{}]
-    return (choices[0].get("delta") or {}).get("content") or choices[0].get("text") or ""
-
-
-async def _read_stream(response: httpx.Response, spec: RequestSpec, out: Outcome, start: float,
-                       cancel_chunks: int) -> None:
-    """Read SSE events until ``[DONE]`` (or, for a cancelled spec, ``cancel_chunks`` content
-    chunks: then return without reading on, and the caller closes the connection)."""
+async def _read_stream(response: httpx.Response, spec: RequestSpec, out: Outcome, cancel_chunks: int) -> None:
+    """Read SSE events until ``[DONE]`` (a cancelled spec: until ``cancel_chunks`` content chunks,
+    then return without reading on; the caller closes the connection)."""
     chunks = 0
     async for line in response.aiter_lines():
         if not line.startswith("data:"):
@@ -120,18 +98,18 @@ async def _read_stream(response: httpx.Response, spec: RequestSpec, out: Outcome
         if data == "[DONE]":
             return
         chunk = json.loads(data)
+        choice = (chunk.get("choices") or [{}])[0]
         if RECEIPT_FIELD in chunk:
             out.receipt = chunk[RECEIPT_FIELD]
         if "error" in chunk:
             out.error = "stream error event"
-        usage = chunk.get("usage")
-        if usage:
-            out.tokens = usage.get("completion_tokens", out.tokens)
-        if _content(chunk):
+        if chunk.get("usage"):
+            out.tokens = chunk["usage"].get("completion_tokens", out.tokens)
+        if (choice.get("delta") or {}).get("content") or choice.get("text"):
             chunks += 1
             out.tokens = max(out.tokens, chunks)
             if out.ttft_s is None:
-                out.ttft_s = time.perf_counter() - start
+                out.ttft_s = time.perf_counter() - out.start_s
             if spec.cancel and chunks >= cancel_chunks:
                 out.cancelled = True
                 return
@@ -148,47 +126,38 @@ async def _plain(client: httpx.AsyncClient, url: str, payload: dict, out: Outcom
 
 async def one(client: httpx.AsyncClient, base: str, spec: RequestSpec, model: str, max_tokens: int,
               cancel_chunks: int = 1) -> Outcome:
-    """Send ``spec`` and record what came back; a cancelled stream's connection is closed after
-    ``cancel_chunks`` content chunks (leaving the ``stream`` block unread closes it), a cancelled
-    plain request's after ``spec.disconnect_s`` seconds (the task is cancelled: its connection
-    is closed, the status is never read)."""
-    url, payload = base + "/v1/chat/completions", body(spec, model, max_tokens)
-    out = Outcome(spec.index, spec.stream, spec.cancel)
-    start = time.perf_counter()
-    out.start_s = start
+    """Send ``spec`` and record what came back; a cancelled stream is closed after ``cancel_chunks``
+    content chunks, a cancelled plain request after ``spec.disconnect_s`` s (its status never read)."""
+    url = base + "/v1/chat/completions"
+    payload = {"model": model, "messages": [{"role": "user", "content": spec.question}], "max_tokens": max_tokens,
+               "temperature": 0.0, "stream": spec.stream}
+    if spec.stream:
+        payload["stream_options"] = {"include_usage": True}
+    out = Outcome(spec.index, spec.stream, spec.cancel, start_s=time.perf_counter())
     try:
         if spec.stream:
             async with client.stream("POST", url, json=payload) as response:
                 out.status = response.status_code
                 if response.status_code == 200:
-                    await _read_stream(response, spec, out, start, cancel_chunks)
+                    await _read_stream(response, spec, out, cancel_chunks)
                 else:
                     await response.aread()
-        elif spec.cancel:
+        else:
             try:
-                await asyncio.wait_for(_plain(client, url, payload, out), spec.disconnect_s)
+                await asyncio.wait_for(_plain(client, url, payload, out), spec.disconnect_s if spec.cancel else None)
             except TimeoutError:
                 out.cancelled = True
-        else:
-            await _plain(client, url, payload, out)
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
         out.error = type(exc).__name__
-    out.latency_s = time.perf_counter() - start
+    out.latency_s = time.perf_counter() - out.start_s
     return out
-
-
-def new_client(concurrency: int, timeout_s: float) -> httpx.AsyncClient:
-    """One connection per client at most (a cancelled request's connection is dropped, not reused)."""
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    return httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout_s))
 
 
 async def run(base: str, specs: Iterable[RequestSpec], model: str, max_tokens: int, concurrency: int,
               cancel_chunks: int = 1, timeout_s: float = 600.0, deadline: float | None = None,
               on_done: Callable[[Outcome], None] | None = None) -> list[Outcome]:
-    """``specs`` sent by ``concurrency`` clients (each sends the next spec when its last one
-    ends) until they run out or ``time.perf_counter()`` passes ``deadline``; outcomes in spec
-    order. ``on_done`` sees each outcome as it ends."""
+    """``specs`` sent by ``concurrency`` clients, each the next when its last ends, until they run out
+    or ``time.perf_counter()`` passes ``deadline``; outcomes in spec order (``on_done`` sees each)."""
     pending = iter(specs)
     outcomes: list[Outcome] = []
 
@@ -201,6 +170,52 @@ async def run(base: str, specs: Iterable[RequestSpec], model: str, max_tokens: i
             if deadline is not None and time.perf_counter() >= deadline:
                 return
 
-    async with new_client(concurrency, timeout_s) as client:
+    # one connection per client at most (a cancelled request's connection is dropped, not reused)
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout_s)) as client:
         await asyncio.gather(*(worker(client) for _ in range(concurrency)))
     return sorted(outcomes, key=lambda o: o.index)
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The ``q``-th percentile (0-100) of ``values`` (numpy's: linear), None for no values."""
+    return float(np.percentile(values, q)) if len(values) else None
+
+
+def latency_summary(seconds: Sequence[float]) -> dict:
+    """``{"n", "p50_ms", "p99_ms", "mean_ms", "max_ms"}`` of latencies in seconds (None: no latencies)."""
+    ms = [s * 1e3 for s in seconds]
+    return {"n": len(ms), "p50_ms": percentile(ms, 50), "p99_ms": percentile(ms, 99),
+            "mean_ms": sum(ms) / len(ms) if ms else None, "max_ms": max(ms) if ms else None}
+
+
+def histogram(labels: Iterable[object]) -> dict[str, int]:
+    """How often each label occurs, keys as strings, sorted."""
+    return {str(k): v for k, v in sorted(Counter(str(x) for x in labels).items())}
+
+
+def statuses(outcomes: Iterable[Outcome]) -> dict[str, int]:
+    """The status codes of outcomes (``disconnected``: given up before a status)."""
+    return histogram("disconnected" if o.status is None else o.status for o in outcomes)
+
+
+def outcome_row(outcomes: Sequence[Outcome], wall_s: float) -> dict:
+    """Throughput, latency, TTFT and status codes of one mode's outcomes."""
+    done = [o for o in outcomes if o.completed]
+    answered_end = max((o.start_s + o.latency_s for o in done), default=None)
+    span = None if answered_end is None else answered_end - min(o.start_s for o in outcomes)
+    tokens = sum(o.tokens for o in done)
+    return {
+        "requests": len(outcomes), "wall_s": wall_s, "status": statuses(outcomes),
+        "streamed": sum(o.stream for o in outcomes), "cancelled": sum(o.cancelled for o in outcomes),
+        "errors": histogram(o.error for o in outcomes if o.error),
+        "completed": len(done), "completion_tokens": tokens,
+        "requests_per_s": len(outcomes) / wall_s, "completed_per_s": len(done) / wall_s,
+        "tokens_per_s": tokens / wall_s, "answered_span_s": span,
+        "answered_per_s_in_span": None if span is None else len(done) / max(span, 1e-9),
+        "latency": {"completed": latency_summary([o.latency_s for o in done]),
+                    "completed_stream": latency_summary([o.latency_s for o in done if o.stream]),
+                    "completed_plain": latency_summary([o.latency_s for o in done if not o.stream]),
+                    "refused_429": latency_summary([o.latency_s for o in outcomes if o.status == 429])},
+        "ttft": latency_summary([o.ttft_s for o in outcomes if o.ttft_s is not None]),
+    }

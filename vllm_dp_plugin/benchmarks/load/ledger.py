@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 
 REL_TOL = 1e-9  # float sums of many epsilons (the ledger sums exactly; receipts are summed with fsum)
 ABS_TOL = 1e-12
@@ -41,11 +41,9 @@ class LedgerSnapshot:
     mechanism: str
 
     @classmethod
-    def from_statement(cls, statement: dict, context: str | None = None) -> LedgerSnapshot:
-        """From ``/v1/dp/budget``'s JSON (``mode: aggregate``): the collection named ``context``
-        (default the first)."""
-        reports = statement["contexts"]
-        report = next(r for r in reports if context is None or r["name"] == context)
+    def from_statement(cls, statement: dict) -> LedgerSnapshot:
+        """From ``/v1/dp/budget``'s JSON (``mode: aggregate``): its first collection's."""
+        report = statement["contexts"][0]
         ledger, worst = report["ledger"], report["per_query"]["worst_case"]
         return cls(ledger["spent"]["epsilon"], ledger["spent"]["delta"], ledger["total"]["epsilon"],
                    ledger["total"]["delta"], ledger["queries"], worst["epsilon"], worst["delta"],
@@ -54,15 +52,15 @@ class LedgerSnapshot:
 
 @dataclass(frozen=True)
 class Charge:
-    """What the client knows of one request: ``reserved`` True (it saw a 200 or a 5xx),
-    False (a 4xx: refused before reserving), None (given up before a status: unknown);
-    ``receipt``: the delivered receipt's (epsilon, delta), None if not delivered."""
+    """What the client knows of one request: ``reserved`` True (it saw a 200 or a 5xx), False (a
+    4xx: refused before reserving), None (given up before a status: unknown); ``receipt``: the
+    delivered receipt's (epsilon, delta), None if not delivered."""
 
     reserved: bool | None
     receipt: tuple[float, float] | None = None
 
 
-@dataclass
+@dataclass(frozen=True)
 class LedgerCheck:
     """The equation's terms and verdict (``ok``; ``failures`` says which condition broke)."""
 
@@ -76,30 +74,19 @@ class LedgerCheck:
     undelivered_high: tuple[float, float]
     total: tuple[float, float]
     exact: bool
-    failures: list[str] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return not self.failures
-
-    def to_json(self) -> dict:
-        return {**asdict(self), "ok": self.ok}
+    failures: list[str]
+    ok: bool
 
 
 def _le(a: float, b: float) -> bool:
     return a <= b or math.isclose(a, b, rel_tol=REL_TOL, abs_tol=ABS_TOL)
 
 
-def settles_at_worst_case(mechanism: str) -> bool:
-    """Whether every query of ``mechanism`` settles at its worst case (``answer``: one release)."""
-    return mechanism == "answer"
-
-
 def check(before: LedgerSnapshot, after: LedgerSnapshot, charges: Sequence[Charge]) -> LedgerCheck:
     """The ledger equation (module docstring) for the requests ``charges`` sent between the two
     snapshots (and nothing else spending on the collection)."""
     worst = (after.worst_epsilon, after.worst_delta)
-    floor = worst if settles_at_worst_case(after.mechanism) else (0.0, 0.0)
+    floor = worst if after.mechanism == "answer" else (0.0, 0.0)  # answer: one release, always at its worst case
     receipts = [c.receipt for c in charges if c.receipt is not None]
     known = sum(1 for c in charges if c.reserved and c.receipt is None)
     unknown = sum(1 for c in charges if c.reserved is None)
@@ -120,20 +107,15 @@ def check(before: LedgerSnapshot, after: LedgerSnapshot, charges: Sequence[Charg
                             f"{undelivered} undelivered at [{floor[i]!r}, {worst[i]!r}] each)")
         if any(not _le(r[i], worst[i]) for r in receipts):
             failures.append(f"a receipt states more {name} than the worst case {worst[i]!r}")
-    total = (after.total_epsilon, after.total_delta)
-    for i, name in enumerate(("epsilon", "delta")):
-        spent_total = (after.spent_epsilon, after.spent_delta)[i]
-        if not _le(spent_total, total[i]):
-            failures.append(f"spent {name} {spent_total!r} exceeds the total {total[i]!r}")
+    total, spent_total = (after.total_epsilon, after.total_delta), (after.spent_epsilon, after.spent_delta)
+    failures += [f"spent {name} {spent_total[i]!r} exceeds the total {total[i]!r}"
+                 for i, name in enumerate(("epsilon", "delta")) if not _le(spent_total[i], total[i])]
     return LedgerCheck(reservations, len(receipts), undelivered, unknown_reserved, spent, sums, low, high, total,
-                       floor == worst, failures)
+                       floor == worst, failures, not failures)
 
 
 def charges_of(outcomes) -> list[Charge]:
     """Each ``client.Outcome`` as a ``Charge``: reserved iff its status is 200 or 5xx."""
-    out = []
-    for o in outcomes:
-        reserved = None if o.status is None else (o.status == 200 or o.status >= 500)
-        receipt = None if o.receipt is None else (float(o.receipt["epsilon"]), float(o.receipt["delta"]))
-        out.append(Charge(reserved, receipt))
-    return out
+    return [Charge(None if o.status is None else (o.status == 200 or o.status >= 500),
+                   None if o.receipt is None else (float(o.receipt["epsilon"]), float(o.receipt["delta"])))
+            for o in outcomes]

