@@ -37,6 +37,8 @@ SUITES = {  # module -> (what it measures, its worked example's options)
                        "/tmp/heldout.jsonl --count 12 --seed 101"),
     "ledger_jsonl": ("budget ledger speed with the JSONL + flock ledger SQLite replaced (from a git revision)",
                      "--quick --backends sqlite,jsonl --out /tmp/bench-ledger-jsonl"),
+    "workload": ("make serve's collection, a mixed stream of 1,000 questions: per-document vs per-collection budgets",
+                 "--questions 100 --out /tmp/bench-workload"),
     "prompt": ("prompt privatization: token preservation and sentence cosine vs eps, true delta",
                "--quick --out /tmp/bench-prompt"),
     "prompt_ttft": ("prompt privatization: overhead on vLLM time to first token",

@@ -17,11 +17,10 @@
     vllm-dp bench faults [options]              kill -9 under load, restart: ledger and release kept
     vllm-dp bench load [options]                load test (64 clients, cancellations, the ledger) and soak
     vllm-dp bench fuzz [options]                Schemathesis against the served API in each DP mode
-    vllm-dp bench workload [options]            a served collection under a mixed question stream: budgets, 429s, reuse
     vllm-dp bench canary [options]              DP fine-tuning: canary exposure and perplexity vs eps
 
 Research and reproduction suites (DP attention, Whisper, DPFormer, prompt speed, training step
-time) are in the repository, not in the package: ``python -m benchmarks.SUITE`` (benchmarks/).
+time, the make-serve workload) are in the repository, not in the package: ``python -m benchmarks.SUITE`` (benchmarks/).
 """
 
 from __future__ import annotations
@@ -47,7 +46,6 @@ BENCH_SUITES = {  # `vllm-dp bench SUITE` -> (module in vllm_dp_plugin.benchmark
     "faults": ("faults", "kill -9 of the API server or the engine core under load, restart: ledger and release kept"),
     "load": ("load", "load test of the served modes (concurrency, cancellations, the aggregation ledger) and a soak"),
     "fuzz": ("fuzz", "Schemathesis against the served API in each DP mode: no 5xx, no leak, the budget within its total"),
-    "workload": ("workload", "a served collection under a mixed stream of 1,000 questions: per-document vs per-collection budgets"),
 }
 
 

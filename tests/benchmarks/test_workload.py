@@ -1,9 +1,9 @@
-"""``vllm-dp bench workload`` without a server: the stream (seeded, mixed, repeats word for word,
+"""``python -m benchmarks.workload`` without a server: the stream (seeded, mixed, repeats word for word,
 many distinct general questions), each budget mode's configuration, and the report."""
 
 from collections import Counter
 
-from vllm_dp_plugin.benchmarks import workload
+from benchmarks import workload
 from vllm_dp_plugin.config import parse_section
 
 
@@ -36,7 +36,7 @@ def test_the_report_states_both_modes():
              "largest_document_spend_epsilon": 4.0, "cap_epsilon": 40.0, "seconds_per_question": 0.3,
              "by_kind": {k: {"questions": 1, "ok": 1, "released": 0, "right": 0, "reused": 0}
                          for k in ("collection", "secret", "public", "off_topic")}}]
-    meta = {"label": "cpu-2core", "date": "2026-11-29", "command": "vllm-dp bench workload", "model": "m",
+    meta = {"label": "cpu-2core", "date": "2026-11-29", "command": "python -m benchmarks.workload", "model": "m",
             "questions": 2, "seed": 0, "kinds": workload.KINDS, "concurrency": 4, "max_tokens": 24}
     text = workload.markdown(meta, rows)
     assert "| per_document | 2 | 2 | 0 | 1 | 0 / 1 |" in text and "0 of 22" in text and "4 (cap 40)" in text

@@ -25,7 +25,6 @@ EXAMPLES = {
     "faults": "vllm-dp bench faults --setups attention-demo --trials 1 --out /tmp/bench-faults",
     "load": "vllm-dp bench load --modes aggregate,none --requests 100 --soak-minutes 2 --out /tmp/bench-load",
     "fuzz": "vllm-dp bench fuzz --modes aggregate --cases 100 --out /tmp/bench-fuzz",
-    "workload": "vllm-dp bench workload --questions 100 --out /tmp/bench-workload",
 }
 
 

@@ -1,4 +1,4 @@
-"""A served collection under a real workload (``vllm-dp bench workload``): a stream of questions,
+"""A served collection under a real workload (``python -m benchmarks.workload``): a stream of questions,
 mixed as an assistant over a team's documents sees them (``KINDS``), sent to ``make serve``'s
 configuration with per-document budgets and reuse (as shipped) and with one total per collection
 and no reuse (the design before them): replies, 429s, answers from the documents, reuse, and the
@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from benchmarks import with_example
 from vllm_dp_plugin.benchmarks.lib import cli, report
 from vllm_dp_plugin.benchmarks.lib.environment import cpu_cores
 from vllm_dp_plugin.benchmarks.lib.progress import Progress, logger
@@ -27,7 +28,7 @@ from vllm_dp_plugin.benchmarks.lib.scenarios import DEFAULT_MODEL
 from vllm_dp_plugin.benchmarks.lib.vllm import VLLM_DP, RunningServer, engine_flags
 from vllm_dp_plugin.config import section_from_file
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "serve-smollm2-aggregate.yaml"  # make serve's
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "serve-smollm2-aggregate.yaml"  # make serve's
 MODES = ("per_document", "per_collection")
 # the bundled collection's facts: (answer's words, phrasings)
 COLLECTION = {
@@ -198,7 +199,7 @@ def markdown(meta: dict, rows: Sequence[dict]) -> str:
              f"{r['collection_spent_epsilon']:g} of {r['collection_total_epsilon']:g}"
              if "collection_spent_epsilon" in r else "", f"{r['seconds_per_question']:.3f}"]
             for r in rows for k in [r["by_kind"]]]
-    return "\n".join([f"# vllm-dp bench workload ({meta['label']}, {meta['date']})", "",
+    return "\n".join([f"# python -m benchmarks.workload ({meta['label']}, {meta['date']})", "",
                       (f"Command: `{meta['command']}`. Model: `{meta['model']}`. Configuration: "
                        "`examples/serve-smollm2-aggregate.yaml` (per_document: as shipped; per_collection: one "
                        f"total of eps 200 for the collection, no reuse). Stream: {meta['questions']} questions, "
@@ -224,8 +225,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+@with_example
 def build_parser() -> argparse.ArgumentParser:
-    return add_cli_args(argparse.ArgumentParser(prog="vllm-dp bench workload", description=__doc__.splitlines()[0]))
+    return add_cli_args(argparse.ArgumentParser(prog="python -m benchmarks.workload", description=__doc__.splitlines()[0]))
 
 
 def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
@@ -237,7 +239,7 @@ def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
     log, work = logger(True), Path(args.work or tempfile.mkdtemp(prefix="vllm-dp-bench-workload-"))
     questions = stream(args.questions, args.seed)
     meta = {"date": cli.today(args.date), "label": f"cpu-{cpu_cores()}core", "model": args.model,
-            "command": cli.command_line("vllm-dp bench workload", argv or []), "questions": len(questions),
+            "command": cli.command_line("python -m benchmarks.workload", argv or []), "questions": len(questions),
             "seed": args.seed, "kinds": KINDS, "concurrency": args.concurrency, "max_tokens": args.max_tokens}
     rows = [run_mode(mode, args, questions, work, log) for mode in args.modes]
     stem = args.out / f"workload-{meta['label']}-{meta['date']}"
@@ -245,3 +247,7 @@ def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
     report.write_text(report.suffixed(stem, ".md"), markdown(meta, rows))
     log(f"wrote {report.suffixed(stem, '.md')}")
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
