@@ -14,6 +14,7 @@ generator, the prompt-search helpers) and the package proper, never another suit
 from __future__ import annotations
 
 import argparse
+import functools
 from collections.abc import Callable
 
 from vllm_dp_plugin.benchmarks.lib.cli import ExampleHelpFormatter, example
@@ -61,11 +62,11 @@ def command(module: str) -> str:
 def with_example(build_parser: Callable[..., argparse.ArgumentParser]) -> Callable[..., argparse.ArgumentParser]:
     """Decorates a suite's ``build_parser``: its parser's help ends with the suite's worked example."""
 
+    @functools.wraps(build_parser)
     def build(*args, **kwargs) -> argparse.ArgumentParser:
         parser = build_parser(*args, **kwargs)
         parser.epilog = example(command(parser.prog.removeprefix(PREFIX)))
         parser.formatter_class = ExampleHelpFormatter
         return parser
 
-    build.__doc__ = build_parser.__doc__
     return build

@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import with_example
-from benchmarks.lib.measure import timed
+from benchmarks.lib.measure import timed, usable_device
 from benchmarks.lib.models import has_weights, load_causal_lm
 from vllm_dp_plugin.aggregate.documents import Collection, Document, member_texts
 from vllm_dp_plugin.benchmarks.lib.cli import (
@@ -238,9 +238,7 @@ def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
     args, argv = parse(args, build_parser)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda but torch sees no CUDA device")
+    device = usable_device(args.device)
     settings = _settings(args)
     try:
         model_name, path = resolve_model(args.model)

@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import with_example
-from benchmarks.lib.measure import free_bytes, synchronize, timed_calls
+from benchmarks.lib.measure import free_bytes, synchronize, timed_calls, usable_device
 from vllm_dp_plugin.benchmarks.lib.cli import (
     add_date_arg,
     add_device_arg,
@@ -490,9 +490,7 @@ def build_parser(prog: str = "python -m benchmarks.prompt_speed") -> argparse.Ar
 def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
     """``args``: parsed options (``add_cli_args``) or an argv list (``python -m benchmarks.prompt_speed ...``)."""
     args, argv = parse(args, build_parser)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda but torch sees no CUDA device")
+    device = usable_device(args.device)
     args.tables = args.tables or (
         [(2000, 64), (3000, 128)] if args.quick else [(30000, 384), (128000, 4096)]
     )

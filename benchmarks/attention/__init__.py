@@ -36,8 +36,6 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
-import torch
-
 from benchmarks import with_example
 from benchmarks.attention.experiments import run_accuracy, run_probe, run_speed
 from benchmarks.attention.report import (
@@ -53,6 +51,7 @@ from benchmarks.attention.settings import (
     add_cli_args,
     settings_from_args,
 )
+from benchmarks.lib.measure import usable_device
 from vllm_dp_plugin.benchmarks.lib.cli import parse, today
 from vllm_dp_plugin.benchmarks.lib.environment import environment
 from vllm_dp_plugin.benchmarks.lib.progress import Progress
@@ -64,8 +63,7 @@ def run(settings: Settings) -> dict:
     """Run the selected parts and write every result file; returns the results dict."""
     start = time.perf_counter()
     settings.date = today(settings.date)
-    if settings.device.startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit("--device cuda requested but torch.cuda.is_available() is False")
+    usable_device(settings.device)
     progress = Progress(settings.progress)
     results: dict = {"machine": environment(settings.device), "notes": []}
     results["settings"] = {k: (str(v) if isinstance(v, Path | TreePlan) else v) for k, v in asdict(settings).items()}

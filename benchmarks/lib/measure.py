@@ -182,3 +182,13 @@ def free_bytes(device) -> int:
     except OSError:
         pass
     return 1 << 62
+
+
+def usable_device(name: str):
+    """``torch.device(name)``; SystemExit when it is a CUDA device and torch sees none."""
+    import torch
+
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device {name} but torch sees no CUDA device")
+    return device

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from benchmarks.lib.measure import usable_device
 from benchmarks.prompt.data import (
     Batch,
     SentenceEncoder,
@@ -39,8 +40,7 @@ def run(settings: Settings) -> dict:
     """Run the suite and write the result files; returns the results dict."""
     start = time.perf_counter()
     settings.date = today(settings.date)
-    if settings.device.startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit("--device cuda requested but torch.cuda.is_available() is False")
+    usable_device(settings.device)
     unknown = set(settings.mechanisms) - set(MECHANISMS)
     if unknown:
         raise SystemExit(f"unknown mechanisms {sorted(unknown)}; use {', '.join(MECHANISMS)}")

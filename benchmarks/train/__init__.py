@@ -86,6 +86,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import with_example
+from benchmarks.lib.measure import usable_device
 from benchmarks.lib.models import has_weights
 from benchmarks.train.measure import run_isolated
 from benchmarks.train.methods import METHODS, PRESET_METHODS
@@ -223,9 +224,7 @@ def _methods_from_args(text: str | None, real_model: bool = False) -> list[str]:
 def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
     """``args``: parsed options (``add_cli_args``) or an argv list (``python -m benchmarks.train ...``)."""
     args, argv = parse(args, build_parser)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda but torch sees no CUDA device")
+    device = usable_device(args.device)
     try:
         model_name, model = resolve_model(args.model) if args.model else ("", "")
         spec, names = _spec_from_args(args, model), _methods_from_args(args.methods, bool(model))

@@ -241,3 +241,10 @@ def test_every_suite_has_add_cli_args_and_main(name):
     parser = argparse.ArgumentParser(prog=name)
     assert module.add_cli_args(parser) is parser
     assert callable(module.main)
+
+
+def test_usable_device_refuses_cuda_where_torch_sees_none(monkeypatch):
+    assert measure.usable_device("cpu") == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="--device cuda:1 but torch sees no CUDA device"):
+        measure.usable_device("cuda:1")
